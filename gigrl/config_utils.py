@@ -1,0 +1,65 @@
+"""Validation helpers shared by every config section.
+
+Every section of the ml_collections config (``data``, ``model``, ``rollout``,
+``search``, ``advantage``, ``train``, ``checkpoint``) is validated at start-up
+by the module that owns it. A bad value raises :class:`ConfigError`, whose
+message names the dotted field, the bad value and what is allowed.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+
+class ConfigError(ValueError):
+  """A config field holds a value that is not allowed.
+
+  Attributes:
+    field: dotted path of the field, e.g. ``"advantage.outcome"``.
+    value: the offending value.
+    allowed: human-readable description of what is allowed.
+  """
+
+  def __init__(self, field: str, value: Any, allowed: str):
+    self.field, self.value, self.allowed = field, value, allowed
+    super().__init__(
+        f"config field '{field}' has bad value {value!r}; allowed: {allowed}")
+
+
+def get_field(cfg: Any, field: str) -> Any:
+  """Returns ``cfg.a.b.c`` for ``field='a.b.c'``; ConfigError if missing."""
+  node = cfg
+  for part in field.split("."):
+    try:
+      node = node[part]
+    except (KeyError, AttributeError, TypeError):
+      raise ConfigError(field, "<missing>", "the field must exist") from None
+  return node
+
+
+def check_choice(cfg: Any, field: str, choices: Iterable[Any]) -> Any:
+  """Checks that ``cfg.<field>`` is one of ``choices``; returns the value."""
+  choices = tuple(choices)
+  value = get_field(cfg, field)
+  if value not in choices:
+    raise ConfigError(field, value, "one of " + ", ".join(map(repr, choices)))
+  return value
+
+
+def check_range(cfg: Any, field: str, lo: float | None = None,
+                hi: float | None = None, *, lo_open: bool = False,
+                hi_open: bool = False, integer: bool = False) -> Any:
+  """Checks ``lo <= cfg.<field> <= hi`` (open ends if asked); returns it."""
+  value = get_field(cfg, field)
+  lo_s = "" if lo is None else (f"> {lo}" if lo_open else f">= {lo}")
+  hi_s = "" if hi is None else (f"< {hi}" if hi_open else f"<= {hi}")
+  kind = "an integer" if integer else "a number"
+  desc = " and ".join(s for s in (kind, lo_s, hi_s) if s)
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise ConfigError(field, value, desc)
+  if integer and not isinstance(value, int):
+    raise ConfigError(field, value, desc)
+  if lo is not None and (value <= lo if lo_open else value < lo):
+    raise ConfigError(field, value, desc)
+  if hi is not None and (value >= hi if hi_open else value > hi):
+    raise ConfigError(field, value, desc)
+  return value

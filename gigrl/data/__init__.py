@@ -1,0 +1,1 @@
+"""Data stage: QA sets, corpus, tokenizer and the query pool."""

@@ -1,0 +1,43 @@
+"""gigrl: JAX/TPU-native RL for LLM search agents."""
+import setuptools
+
+CORE = [
+    "jax>=0.10,<0.11",
+    "flax>=0.12,<0.13",
+    "optax>=0.2.5",
+    "orbax-checkpoint>=0.11",
+    "ml-collections>=1.0",
+    "tensorflow-datasets>=4.9.7",
+    "array-record>=0.8",
+    "sentencepiece>=0.2",
+    "chex>=0.1.90",
+    "bm25s>=0.2.10",
+    "safetensors>=0.4",
+    "tokenizers>=0.20",
+    "tqdm>=4.66",
+    "numpy>=1.26",
+    "matplotlib>=3.8",
+    "absl-py>=2.1",
+]
+TEST = ["pytest>=8", "hypothesis>=6.100"]
+HF = ["torch==2.13.0", "transformers>=4.50"]
+
+setuptools.setup(
+    name="gigrl",
+    version="0.1.0",
+    description="JAX/TPU-native reinforcement learning for LLM search agents "
+    "(Stratified GRPO, GiGPO, HA-DW, query recycling).",
+    python_requires=">=3.11",
+    packages=setuptools.find_packages(include=["gigrl", "gigrl.*"]),
+    package_data={"gigrl": ["data/files/**/*", "data/files/*"]},
+    include_package_data=True,
+    install_requires=CORE,
+    extras_require={"test": TEST + HF, "hf": HF, "tpu": ["jax[tpu]>=0.10,<0.11"]},
+    entry_points={
+        "console_scripts": [
+            "gigrl-train=gigrl.train:run",
+            "gigrl-convert-hf=gigrl.models.convert:run",
+            "gigrl-serve-retriever=gigrl.search.server:run",
+        ]
+    },
+)
