@@ -1,0 +1,205 @@
+"""Search-R1 / FlashRAG data loaders: QA questions and retrieval corpora.
+
+Formats (Search-R1 `scripts/data_process/*.py`, FlashRAG_datasets):
+  * questions: one JSON object per line, ``{"question": str, "golden_answers": [str, ...], ...}``
+    (``id`` optional; R1-Searcher's ``{"question", "answer": str}`` is accepted too);
+  * corpus: one JSON object per line, ``{"id": str, "contents": "\\"Title\\"\\ntext"}``.
+
+A malformed row raises :class:`DataError` naming the file, the 1-based line and the field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import string
+from importlib import resources
+from typing import Iterator, Sequence
+
+
+class DataError(ValueError):
+  """A data file has a malformed row. Message names file, line and field."""
+
+  def __init__(self, path: str, line: int, field: str, problem: str):
+    self.path, self.line, self.field = path, line, field
+    super().__init__(f"{path}:{line}: field '{field}': {problem}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Question:
+  """One QA example. ``golden_answers`` is a non-empty tuple of strings."""
+  id: str
+  question: str
+  golden_answers: tuple[str, ...]
+  data_source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+  """One corpus passage in Search-R1 format (``contents`` = '"Title"\\ntext')."""
+  id: str
+  contents: str
+
+
+def bundled_dir() -> str:
+  """Path of the data files shipped inside the package (see DATA_LICENSE.md)."""
+  return str(resources.files("gigrl.data") / "files")
+
+
+BUNDLED_QUESTION_FILES = (
+    "r1searcher_retrieved/hotpotqa_questions.jsonl",
+    "r1searcher_retrieved/2wikimultihopqa_questions.jsonl",
+    "r1searcher_retrieved/bamboogle_questions.jsonl",
+    "ircot_fewshot/questions.jsonl",
+)
+# Corpus files and the id namespace each gets when merged (ids collide otherwise).
+BUNDLED_CORPUS_FILES = (
+    ("r1searcher_retrieved/corpus.jsonl", ""),
+    ("ircot_fewshot/corpus.jsonl", "ircot-"),
+)
+# Whole sets held out for evaluation (out-of-domain, as in Search-R1's tables).
+EVAL_ONLY_SOURCES = ("bamboogle",)
+
+
+def _iter_json_lines(path: str) -> Iterator[tuple[int, dict]]:
+  with open(path, encoding="utf-8") as f:
+    for lineno, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise DataError(path, lineno, "<json>", f"not valid JSON ({e.msg})") from None
+      if not isinstance(row, dict):
+        raise DataError(path, lineno, "<row>", "expected a JSON object")
+      yield lineno, row
+
+
+def _parse_question(path: str, lineno: int, row: dict, default_source: str) -> Question:
+  q = row.get("question")
+  if not isinstance(q, str) or not q.strip():
+    raise DataError(path, lineno, "question", f"expected a non-empty string, got {q!r}")
+  if "golden_answers" in row:
+    answers, field = row["golden_answers"], "golden_answers"
+  elif "answer" in row:
+    answers, field = row["answer"], "answer"
+    answers = [answers] if isinstance(answers, str) else answers
+  else:
+    raise DataError(path, lineno, "golden_answers", "missing")
+  if (not isinstance(answers, list) or not answers
+      or not all(isinstance(a, str) and a.strip() for a in answers)):
+    raise DataError(path, lineno, field,
+                    f"expected a non-empty list of non-empty strings, got {answers!r}")
+  qid = row.get("id", row.get("idx", f"{os.path.basename(path)}:{lineno}"))
+  source = row.get("data_source", default_source)
+  if not isinstance(source, str):
+    raise DataError(path, lineno, "data_source", f"expected a string, got {source!r}")
+  return Question(str(qid), q.strip(), tuple(a.strip() for a in answers), source)
+
+
+def load_questions(path: str, data_source: str | None = None) -> list[Question]:
+  """Loads a Search-R1/FlashRAG question file.
+
+  Args:
+    path: jsonl file with ``question`` and ``golden_answers`` (or ``answer``).
+    data_source: used when a row has no ``data_source`` (default: file stem).
+  Returns:
+    The questions in file order.
+  Raises:
+    DataError: a row is not JSON, or ``question``/``golden_answers`` is malformed.
+    FileNotFoundError: ``path`` does not exist.
+  """
+  default = data_source or os.path.splitext(os.path.basename(path))[0]
+  return [_parse_question(path, n, row, default) for n, row in _iter_json_lines(path)]
+
+
+def load_corpus(path: str, id_prefix: str = "") -> list[Document]:
+  """Loads a Search-R1 corpus jsonl (``{"id", "contents"}`` per line).
+
+  Raises:
+    DataError: a row is not JSON, ``id`` is missing/not a string or int, ``contents``
+      is not a non-empty string, or an id repeats (the message names both lines).
+  """
+  docs, seen = [], {}
+  for lineno, row in _iter_json_lines(path):
+    did = row.get("id")
+    if isinstance(did, bool) or not isinstance(did, (str, int)):
+      raise DataError(path, lineno, "id", f"expected a string id, got {did!r}")
+    contents = row.get("contents")
+    if not isinstance(contents, str) or not contents.strip():
+      raise DataError(path, lineno, "contents", f"expected a non-empty string, got {contents!r}")
+    did = id_prefix + str(did)
+    if did in seen:
+      raise DataError(path, lineno, "id", f"duplicate id {did!r} (first on line {seen[did]})")
+    seen[did] = lineno
+    docs.append(Document(did, contents))
+  return docs
+
+
+def load_bundled_corpus() -> list[Document]:
+  """The bundled Wikipedia passages (R1-Searcher retrieved + IRCoT paragraphs)."""
+  root = bundled_dir()
+  docs: list[Document] = []
+  for rel, prefix in BUNDLED_CORPUS_FILES:
+    docs.extend(load_corpus(os.path.join(root, rel), prefix))
+  return docs
+
+
+def split_title(contents: str) -> tuple[str, str]:
+  """Splits Search-R1 ``contents`` into (title without quotes, text).
+
+  Follows Search-R1 ``_passages2string``: the title is the first line, the text the rest.
+  """
+  title, _, text = contents.partition("\n")
+  return title.strip().strip('"'), text.strip()
+
+
+# --- SQuAD answer normalisation (shared by the reward and the split) -------------------
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCT = set(string.punctuation)
+
+
+def normalize_answer(s: str) -> str:
+  """SQuAD normalisation: lower, drop punctuation, drop a/an/the, squeeze spaces.
+
+  Reference: Search-R1 ``verl/utils/reward_score/qa_em.py::normalize_answer``.
+  """
+  s = s.lower()
+  s = "".join(ch for ch in s if ch not in _PUNCT)
+  s = _ARTICLES.sub(" ", s)
+  return " ".join(s.split())
+
+
+def is_eval_question(q: Question, eval_percent: int) -> bool:
+  """Fixed split rule: eval iff the set is eval-only or hash(question) % 100 < eval_percent.
+
+  The key is the normalised question text, so a question duplicated across sets lands on
+  the same side (no eval question is ever trained on).
+  """
+  if q.data_source in EVAL_ONLY_SOURCES:
+    return True
+  digest = hashlib.sha256(normalize_answer(q.question).encode()).digest()
+  return int.from_bytes(digest[:4], "big") % 100 < eval_percent
+
+
+def split_questions(questions: Sequence[Question], eval_percent: int
+                    ) -> tuple[list[Question], list[Question]]:
+  """Returns (train, eval) by :func:`is_eval_question`; order is preserved."""
+  train, ev = [], []
+  for q in questions:
+    (ev if is_eval_question(q, eval_percent) else train).append(q)
+  return train, ev
+
+
+def load_bundled_questions(sources: Sequence[str] | None = None) -> list[Question]:
+  """All bundled questions, optionally filtered to the given ``data_source`` names."""
+  root = bundled_dir()
+  out: list[Question] = []
+  for rel in BUNDLED_QUESTION_FILES:
+    out.extend(load_questions(os.path.join(root, rel)))
+  if sources:
+    out = [q for q in out if q.data_source in set(sources)]
+  return out
