@@ -1,0 +1,215 @@
+"""Model configuration: a frozen `ModelConfig`, named presets, the `model` section.
+
+The architecture covers the Qwen2 / Qwen2.5 family (QKV bias, tied embeddings on the
+small sizes) and Llama 3.x (no bias, llama3 RoPE frequency scaling). References:
+Qwen2 technical report (arXiv:2407.10671), Llama 3 herd paper (arXiv:2407.21783) and
+the HF `Qwen2Config` / `LlamaConfig` field meanings.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import ml_collections as mlc
+
+from gigrl.config_utils import ConfigError, check_choice, check_range, get_field
+
+DTYPES = ("float32", "bfloat16", "float16")
+TRAIN_SHARDINGS = ("replicated", "fsdp", "fsdp_tp", "tp")
+ROLLOUT_SHARDINGS = ("replicated", "tp", "fsdp_tp", "fsdp")
+REMAT = ("none", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Decoder-only transformer hyper-parameters (hashable: usable as a static arg).
+
+  `rope_scaling` accepts the HF llama3 dict
+  (`{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+  "original_max_position_embeddings"}`) and is stored as a sorted tuple of
+  `(key, value)` pairs so the dataclass stays hashable; read it back with
+  `rope_scaling_dict`.
+  """
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope_theta: float = 1e6
+  rms_norm_eps: float = 1e-6
+  qkv_bias: bool = True
+  tie_embeddings: bool = True
+  rope_scaling: Any = None
+  param_dtype: str = "float32"
+  dtype: str = "float32"
+  max_position: int = 32768
+  remat: str = "none"
+
+  def __post_init__(self):
+    if isinstance(self.rope_scaling, Mapping):
+      items = tuple(sorted((str(k), _freeze(v)) for k, v in self.rope_scaling.items()))
+      object.__setattr__(self, "rope_scaling", items)
+    if self.num_heads % max(self.num_kv_heads, 1):
+      raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
+                       f"num_kv_heads={self.num_kv_heads}")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} not in {DTYPES}")
+
+  @property
+  def rope_scaling_dict(self) -> dict[str, Any] | None:
+    return None if self.rope_scaling is None else dict(self.rope_scaling)
+
+  @property
+  def num_params(self) -> int:
+    """Parameter count (embeddings included once when tied)."""
+    d, f, h, kv, hd = (self.hidden_size, self.intermediate_size, self.num_heads,
+                       self.num_kv_heads, self.head_dim)
+    attn = d * h * hd * 2 + d * kv * hd * 2
+    if self.qkv_bias:
+      attn += h * hd + 2 * kv * hd
+    per_layer = attn + 3 * d * f + 2 * d
+    emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+    return self.num_layers * per_layer + emb + d
+
+  def replace(self, **kw) -> "ModelConfig":
+    return dataclasses.replace(self, **kw)
+
+
+def _freeze(v):
+  return tuple(v) if isinstance(v, list) else v
+
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _qwen(vocab, d, f, layers, heads, kv, hd=128, tie=True):
+  return ModelConfig(vocab, d, f, layers, heads, kv, hd, rope_theta=1e6,
+                     rms_norm_eps=1e-6, qkv_bias=True, tie_embeddings=tie,
+                     max_position=32768)
+
+
+def _llama(d, f, layers, heads, kv, hd):
+  return ModelConfig(128256, d, f, layers, heads, kv, hd, rope_theta=5e5,
+                     rms_norm_eps=1e-5, qkv_bias=False, tie_embeddings=True,
+                     rope_scaling=_LLAMA3_ROPE, max_position=131072)
+
+
+# Sizes from the HF config.json of each checkpoint.
+PRESETS: dict[str, ModelConfig] = {
+    "qwen2.5-0.5b": _qwen(151936, 896, 4864, 24, 14, 2, hd=64),
+    "qwen2.5-1.5b": _qwen(151936, 1536, 8960, 28, 12, 2),
+    "qwen2.5-3b": _qwen(151936, 2048, 11008, 36, 16, 2),
+    "qwen2.5-7b": _qwen(152064, 3584, 18944, 28, 28, 4, tie=False),
+    "llama-3.2-1b": _llama(2048, 8192, 16, 32, 8, 64),
+    "llama-3.2-3b": _llama(3072, 8192, 28, 24, 8, 128),
+    # Tiny random models for tests and CPU smoke runs.
+    "tiny": ModelConfig(512, 128, 256, 2, 4, 2, 32, max_position=4096),
+    "tiny-4l": ModelConfig(512, 128, 256, 4, 4, 2, 32, max_position=4096),
+    "small": ModelConfig(1024, 256, 768, 4, 4, 2, 64, max_position=4096),
+    "medium": ModelConfig(1024, 512, 1536, 8, 8, 2, 64, max_position=4096),
+}
+
+# ConfigDict override fields: 0 (or 0.0) means "use the preset's value".
+_INT_OVERRIDES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                  "num_heads", "num_kv_heads", "head_dim", "max_position")
+
+
+def default_config() -> mlc.ConfigDict:
+  """The `model` config section (see `validate` for the allowed values)."""
+  c = mlc.ConfigDict()
+  c.preset = "tiny"           # a key of PRESETS; ignored for sizes when hf_path is set
+  c.hf_path = ""              # HF checkpoint dir (config.json + *.safetensors)
+  for name in _INT_OVERRIDES:
+    setattr(c, name, 0)       # 0 = preset value
+  c.rope_theta = 0.0          # 0 = preset value
+  c.tie_embeddings = ""       # "" = preset value, else "true" / "false"
+  c.dtype = "float32"         # activation / compute dtype
+  c.param_dtype = "float32"   # parameter storage dtype
+  c.remat = "none"            # none | full (rematerialise each block in backward)
+  c.logprob_chunk_size = 512  # sequence chunk for token_logprobs
+  # Mesh axis sizes; -1 on at most one axis = all remaining devices.
+  c.mesh = mlc.ConfigDict(dict(data=1, fsdp=-1, tp=1))
+  c.train_sharding = "fsdp"   # one of TRAIN_SHARDINGS
+  c.rollout_sharding = "tp"   # one of ROLLOUT_SHARDINGS
+  return c
+
+
+def validate(cfg_model: Any) -> None:
+  """Raises ConfigError naming `model.<field>` for the first bad value."""
+  c = {"model": cfg_model}
+  if not get_field(c, "model.hf_path"):
+    check_choice(c, "model.preset", sorted(PRESETS))
+  elif not isinstance(cfg_model.hf_path, str):
+    raise ConfigError("model.hf_path", cfg_model.hf_path, "a directory path string")
+  for name in _INT_OVERRIDES:
+    check_range(c, f"model.{name}", 0, integer=True)
+  check_range(c, "model.rope_theta", 0.0)
+  check_choice(c, "model.tie_embeddings", ("", "true", "false"))
+  check_choice(c, "model.dtype", DTYPES)
+  check_choice(c, "model.param_dtype", DTYPES)
+  check_choice(c, "model.remat", REMAT)
+  check_range(c, "model.logprob_chunk_size", 1, integer=True)
+  sizes = [check_range_mesh(c, f"model.mesh.{a}") for a in ("data", "fsdp", "tp")]
+  if sum(s == -1 for s in sizes) > 1:
+    raise ConfigError("model.mesh", dict(zip(("data", "fsdp", "tp"), sizes)),
+                      "at most one axis may be -1")
+  check_choice(c, "model.train_sharding", TRAIN_SHARDINGS)
+  check_choice(c, "model.rollout_sharding", ROLLOUT_SHARDINGS)
+  if not cfg_model.hf_path:
+    mc = _apply_overrides(PRESETS[cfg_model.preset], cfg_model, None)
+    if mc.num_heads % mc.num_kv_heads:
+      raise ConfigError("model.num_kv_heads", mc.num_kv_heads,
+                        f"a divisor of num_heads={mc.num_heads}")
+
+
+def check_range_mesh(c, field):
+  value = get_field(c, field)
+  if isinstance(value, bool) or not isinstance(value, int) or not (value == -1 or value >= 1):
+    raise ConfigError(field, value, "an integer >= 1, or -1 for 'all remaining devices'")
+  return value
+
+
+def _apply_overrides(base: ModelConfig, cfg_model: Any,
+                     vocab_size: int | None) -> ModelConfig:
+  kw = {}
+  for name in _INT_OVERRIDES:
+    v = cfg_model.get(name, 0)
+    if v:
+      kw[name] = int(v)
+  if cfg_model.get("rope_theta", 0.0):
+    kw["rope_theta"] = float(cfg_model.rope_theta)
+  if cfg_model.get("tie_embeddings", ""):
+    kw["tie_embeddings"] = cfg_model.tie_embeddings == "true"
+  if vocab_size and not cfg_model.get("vocab_size", 0):
+    kw["vocab_size"] = int(vocab_size)
+  kw["dtype"] = cfg_model.get("dtype", base.dtype)
+  kw["param_dtype"] = cfg_model.get("param_dtype", base.param_dtype)
+  kw["remat"] = cfg_model.get("remat", base.remat)
+  return dataclasses.replace(base, **kw)
+
+
+def model_config_from(cfg_model: Any, vocab_size: int | None = None) -> ModelConfig:
+  """Builds the ModelConfig of the `model` section.
+
+  Args:
+    cfg_model: the `model` ConfigDict (validated here).
+    vocab_size: the tokenizer's vocabulary size, or None. For a preset it replaces
+      the preset vocab unless `model.vocab_size` is set. With `hf_path` the
+      checkpoint's vocab wins; a larger tokenizer vocab raises ConfigError.
+  """
+  validate(cfg_model)
+  if cfg_model.hf_path:
+    from gigrl.models import hf  # local import: hf pulls in safetensors
+    base = hf.config_from_hf(cfg_model.hf_path)
+    if vocab_size and vocab_size > base.vocab_size:
+      raise ConfigError("model.hf_path", cfg_model.hf_path,
+                        f"a checkpoint whose vocab ({base.vocab_size}) covers the "
+                        f"tokenizer's {vocab_size} ids")
+    sizes_ok = {"dtype", "param_dtype", "remat"}
+    return dataclasses.replace(base, **{k: cfg_model.get(k, getattr(base, k))
+                                        for k in sizes_ok})
+  return _apply_overrides(PRESETS[cfg_model.preset], cfg_model, vocab_size)

@@ -1,0 +1,299 @@
+"""KV-cache sampling: jitted pure functions over a split NNX state.
+
+Split the model once, `graphdef, state = nnx.split(model)`, and call:
+
+* `extend_last(graphdef, state, cache, tokens, lengths, prev_logits)` -- append
+  tokens (prefill, or observation tokens mid-rollout) and get each row's next-token
+  logits;
+* `decode(graphdef, state, cache, next_logits, rng, active, budget, ...)` -- a
+  `lax.while_loop` that samples until every row hits a stop sequence, spends its
+  budget or `max_new_tokens` steps pass;
+* `generate(...)` -- init cache + prefill + decode.
+
+The cache argument is donated: do not reuse a cache after passing it in.
+
+Log-probabilities returned by `decode` are those of the *raw model* (temperature 1,
+no top-k/top-p truncation): log softmax(model logits)[token]. This is the
+log pi_old(token) RL losses need; the sampling distribution itself may be tempered /
+truncated. (With temperature != 1 the sampled tokens are off-policy w.r.t. these
+log-probs; train-time log-probs from `token_logprobs` use the same raw convention.)
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gigrl.models.transformer import KVCache, init_cache
+
+PAD_TOKEN = 0  # written into `tokens` where mask is False
+
+
+class DecodeOut(NamedTuple):
+  """Result of `decode`.
+
+  Attributes:
+    tokens: i32[B, N] sampled tokens (PAD_TOKEN where mask is False).
+    logprobs: f32[B, N] raw-model (temperature 1) log-prob of each token, 0 off-mask.
+    mask: bool[B, N] True on generated tokens.
+    lengths: i32[B] generated tokens per row (= mask.sum(1); tokens are left-aligned).
+    stopped: bool[B] the row completed a stop sequence (included in tokens).
+    cache: KVCache holding every generated token.
+    next_logits: f32[B, V] logits after each row's last fed token.
+  """
+  tokens: jax.Array
+  logprobs: jax.Array
+  mask: jax.Array
+  lengths: jax.Array
+  stopped: jax.Array
+  cache: KVCache
+  next_logits: jax.Array
+
+
+# --------------------------------------------------------------------------- extend
+
+
+def _extend_last(model, cache, tokens, lengths, prev_logits):
+  hidden, cache = model.extend_hidden(cache, tokens, lengths)
+  last = jnp.maximum(lengths - 1, 0)
+  h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]     # [B, D]
+  logits = model.logits(h)
+  return jnp.where((lengths > 0)[:, None], logits, prev_logits), cache
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def extend_last(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
+                tokens: jax.Array, lengths: jax.Array,
+                prev_logits: jax.Array) -> tuple[jax.Array, KVCache]:
+  """Extends the cache and returns logits at each row's last new token.
+
+  Args:
+    graphdef, state: from `nnx.split(model)`.
+    cache: KVCache (donated).
+    tokens: i32[B, C] right-padded new tokens.
+    lengths: i32[B] number of valid tokens per row (0 = row unchanged).
+    prev_logits: f32[B, V], returned for rows with lengths == 0.
+  Returns:
+    (next_logits f32[B, V], cache).
+  """
+  model = nnx.merge(graphdef, state)
+  return _extend_last(model, cache, tokens, lengths.astype(jnp.int32), prev_logits)
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def filter_logits(logits: jax.Array, temperature, *, top_k: int = 0,
+                  top_p: float = 1.0) -> jax.Array:
+  """Tempered logits f32[B, V] with entries outside top-k / nucleus set to -inf."""
+  x = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
+  neg = jnp.finfo(jnp.float32).min
+  if top_k and top_k < x.shape[-1]:
+    kth = jax.lax.top_k(x, top_k)[0][..., -1:]
+    x = jnp.where(x < kth, neg, x)
+  if top_p < 1.0:
+    srt = jnp.sort(x, axis=-1)[..., ::-1]
+    probs = jax.nn.softmax(srt, axis=-1)
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p      # first always kept
+    cutoff = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
+    x = jnp.where(x < cutoff, neg, x)
+  return x
+
+
+def sample_tokens(logits: jax.Array, key: jax.Array, temperature, *, top_k: int = 0,
+                  top_p: float = 1.0, greedy: bool = False) -> jax.Array:
+  """logits f32[B, V] -> i32[B]."""
+  if greedy:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  x = filter_logits(logits, temperature, top_k=top_k, top_p=top_p)
+  return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+
+
+def _stop_hit(window: jax.Array, stops: jax.Array) -> jax.Array:
+  """window i32[B, L] last tokens (-2 = none yet), stops i32[K, L] -> bool[B]."""
+  if stops.shape[0] == 0:
+    return jnp.zeros(window.shape[:1], bool)
+  eq = (window[:, None, :] == stops[None]) | (stops[None] == -1)       # [B, K, L]
+  nonempty = jnp.any(stops >= 0, axis=-1)                               # [K]
+  return jnp.any(jnp.all(eq, axis=-1) & nonempty[None], axis=-1)
+
+
+# --------------------------------------------------------------------------- decode
+
+
+class _Carry(NamedTuple):
+  i: jax.Array
+  cache: KVCache
+  logits: jax.Array
+  key: jax.Array
+  active: jax.Array
+  budget: jax.Array
+  tokens: jax.Array
+  logprobs: jax.Array
+  mask: jax.Array
+  lengths: jax.Array
+  stopped: jax.Array
+  window: jax.Array
+
+
+@functools.partial(
+    jax.jit, static_argnums=(0,), donate_argnums=(2,),
+    static_argnames=("max_new_tokens", "top_k", "top_p", "greedy"))
+def _decode(graphdef, state, cache, next_logits, rng, active, budget, stops,
+            temperature, *, max_new_tokens, top_k, top_p, greedy):
+  model = nnx.merge(graphdef, state)
+  b, n = next_logits.shape[0], max_new_tokens
+  s_max = cache.max_len
+
+  def live(c):
+    return c.active & (c.budget > 0) & (c.cache.pos < s_max)
+
+  def body(c: _Carry) -> _Carry:
+    key, sub = jax.random.split(c.key)
+    act = live(c)
+    tok = sample_tokens(c.logits, sub, temperature, top_k=top_k, top_p=top_p,
+                        greedy=greedy)
+    lp = jnp.take_along_axis(jax.nn.log_softmax(c.logits, axis=-1), tok[:, None],
+                             axis=-1)[:, 0]
+    tok = jnp.where(act, tok, PAD_TOKEN)
+    window = jnp.where(act[:, None],
+                       jnp.concatenate([c.window[:, 1:], tok[:, None]], axis=1),
+                       c.window)
+    hit = act & _stop_hit(window, stops)
+    logits, cache = _extend_last(model, c.cache, tok[:, None], act.astype(jnp.int32),
+                                 c.logits)
+    return _Carry(
+        i=c.i + 1, cache=cache, logits=logits, key=key,
+        active=act & ~hit, budget=c.budget - act.astype(jnp.int32),
+        tokens=c.tokens.at[:, c.i].set(tok),
+        logprobs=c.logprobs.at[:, c.i].set(jnp.where(act, lp, 0.0)),
+        mask=c.mask.at[:, c.i].set(act),
+        lengths=c.lengths + act.astype(jnp.int32),
+        stopped=c.stopped | hit, window=window)
+
+  def cond(c: _Carry):
+    return (c.i < n) & jnp.any(live(c))
+
+  c0 = _Carry(
+      i=jnp.int32(0), cache=cache, logits=next_logits.astype(jnp.float32), key=rng,
+      active=active.astype(bool), budget=budget.astype(jnp.int32),
+      tokens=jnp.full((b, n), PAD_TOKEN, jnp.int32),
+      logprobs=jnp.zeros((b, n), jnp.float32), mask=jnp.zeros((b, n), bool),
+      lengths=jnp.zeros((b,), jnp.int32), stopped=jnp.zeros((b,), bool),
+      window=jnp.full((b, stops.shape[1]), -2, jnp.int32))
+  c = jax.lax.while_loop(cond, body, c0)
+  return DecodeOut(c.tokens, c.logprobs, c.mask, c.lengths, c.stopped, c.cache,
+                   c.logits)
+
+
+def as_stop_array(stop_sequences) -> jax.Array:
+  """list of token-id lists (or i32[K, L] right-aligned, -1 left pad) -> i32[K, L]."""
+  if stop_sequences is None:
+    return jnp.full((0, 1), -1, jnp.int32)
+  if hasattr(stop_sequences, "shape"):
+    arr = jnp.asarray(stop_sequences, jnp.int32)
+    return arr.reshape(-1, 1) if arr.ndim == 1 else arr
+  seqs = [list(s) if hasattr(s, "__len__") else [int(s)] for s in stop_sequences]
+  if not seqs:
+    return jnp.full((0, 1), -1, jnp.int32)
+  width = max(len(s) for s in seqs)
+  return jnp.asarray([[-1] * (width - len(s)) + s for s in seqs], jnp.int32)
+
+
+def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
+           next_logits: jax.Array, rng: jax.Array, active: jax.Array,
+           budget: jax.Array, *, max_new_tokens: int, stop_sequences=None,
+           temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+           greedy: bool = False) -> DecodeOut:
+  """Samples up to `max_new_tokens` tokens per row inside one `lax.while_loop`.
+
+  Each step samples from `next_logits`, feeds the sampled token of every live row
+  through `extend` (so a stop token is in the cache), and retires a row when a stop
+  sequence completes, its budget is spent or its cache is full. Exits early once no
+  row is live. Deterministic for a fixed `rng`.
+
+  Args:
+    graphdef, state: from `nnx.split(model)`.
+    cache: KVCache after the prompt (donated).
+    next_logits: f32[B, V] logits for each row's next token.
+    rng: PRNG key.
+    active: bool[B] rows to sample for.
+    budget: i32[B] max new tokens per row (in addition to `max_new_tokens`).
+    max_new_tokens: static N, the output width and step cap.
+    stop_sequences: None, a list of token-id lists, or i32[K, L] right-aligned and
+      left-padded with -1 (L = 1 for single stop tokens). Matched on generated tokens.
+    temperature: sampling temperature (traced: no recompile when it changes).
+    top_p, top_k: static nucleus / top-k truncation (1.0 / 0 = off).
+    greedy: static; argmax sampling.
+  Returns:
+    DecodeOut; `logprobs` are raw-model temperature-1 log-probs (module docstring).
+  """
+  return _decode(graphdef, state, cache, next_logits, rng, active, budget,
+                 as_stop_array(stop_sequences), jnp.float32(temperature),
+                 max_new_tokens=int(max_new_tokens), top_k=int(top_k),
+                 top_p=float(top_p), greedy=bool(greedy))
+
+
+# --------------------------------------------------------------------------- generate
+
+
+def left_to_right_padded(prompts: jax.Array, lengths: jax.Array) -> jax.Array:
+  """Rolls each left-padded row i32[B, P] so its tokens start at column 0."""
+  p = prompts.shape[1]
+  idx = (jnp.arange(p)[None, :] + (p - lengths)[:, None]) % p
+  return jnp.take_along_axis(prompts, idx, axis=1)
+
+
+def generate(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array,
+             prompt_lengths: jax.Array, rng: jax.Array, *, max_new_tokens: int,
+             cache_len: int | None = None, left_padded: bool = False,
+             budget: jax.Array | None = None, stop_sequences=None,
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+             greedy: bool = False, cache_sharding=None) -> DecodeOut:
+  """Init cache, prefill the prompts, decode.
+
+  Args:
+    prompts: i32[B, P] right-padded (or left-padded with `left_padded=True`).
+    prompt_lengths: i32[B] valid prompt tokens per row.
+    rng: PRNG key.
+    max_new_tokens: N.
+    cache_len: cache slots per row; default P + N.
+    budget: optional i32[B] per-row caps (default N).
+    Remaining args as in `decode`.
+  Returns:
+    DecodeOut (tokens hold only the new tokens; the cache holds prompt + new).
+  """
+  model = nnx.merge(graphdef, state)
+  b, p = prompts.shape
+  prompts = jnp.asarray(prompts, jnp.int32)
+  prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
+  if left_padded:
+    prompts = left_to_right_padded(prompts, prompt_lengths)
+  cache = init_cache(model.cfg, b, cache_len or p + max_new_tokens,
+                     sharding=cache_sharding)
+  zeros = jnp.zeros((b, model.cfg.vocab_size), jnp.float32)
+  logits, cache = extend_last(graphdef, state, cache, prompts, prompt_lengths, zeros)
+  if budget is None:
+    budget = jnp.full((b,), max_new_tokens, jnp.int32)
+  return decode(graphdef, state, cache, logits, rng, jnp.ones((b,), bool), budget,
+                max_new_tokens=max_new_tokens, stop_sequences=stop_sequences,
+                temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
+
+
+class Sampler:
+  """Holds a graphdef and forwards to the jitted functions (compiled once each)."""
+
+  def __init__(self, graphdef: nnx.GraphDef):
+    self.graphdef = graphdef
+
+  def extend_last(self, state, cache, tokens, lengths, prev_logits):
+    return extend_last(self.graphdef, state, cache, tokens, lengths, prev_logits)
+
+  def decode(self, state, cache, next_logits, rng, active, budget, **kw) -> DecodeOut:
+    return decode(self.graphdef, state, cache, next_logits, rng, active, budget, **kw)
+
+  def generate(self, state, prompts, prompt_lengths, rng, **kw) -> DecodeOut:
+    return generate(self.graphdef, state, prompts, prompt_lengths, rng, **kw)

@@ -1,0 +1,311 @@
+"""Qwen2 / Llama decoder in Flax NNX, with a KV cache `extend` primitive.
+
+Architecture (Qwen2 report arXiv:2407.10671; Llama 3 arXiv:2407.21783; HF
+`modeling_qwen2.py` / `modeling_llama.py` for the exact numerics):
+pre-norm blocks of RMSNorm -> grouped-query attention with rotary embeddings
+(rotate-half layout, optional QKV bias, optional llama3 frequency scaling) ->
+residual -> RMSNorm -> SwiGLU MLP -> residual; final RMSNorm; LM head tied to the
+embedding or separate.
+
+Layer parameters are stacked on a leading axis L and the blocks run under
+`lax.scan`, so compile time does not grow with depth and the KV cache is one
+`[L, B, S_max, KV, Dh]` array per K and V.
+
+Shapes: B batch, S / C sequence / chunk length, D hidden, H query heads, KV key-value
+heads, G = H // KV, Dh head dim, F MLP width, V vocab, L layers.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gigrl.models.config import ModelConfig
+
+_INIT_STD = 0.02  # HF initializer_range
+
+
+class KVCache(NamedTuple):
+  """Per-layer keys/values of every row, in the activation dtype.
+
+  Attributes:
+    k: [L, B, S_max, KV, Dh] keys (RoPE already applied).
+    v: [L, B, S_max, KV, Dh] values.
+    pos: i32[B] number of valid slots of each row (= next write slot).
+  """
+  k: jax.Array
+  v: jax.Array
+  pos: jax.Array
+
+  @property
+  def max_len(self) -> int:
+    return self.k.shape[2]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, *,
+               sharding=None) -> KVCache:
+  """Zeroed cache with `max_len` slots per row; `sharding` = KVCache of shardings."""
+  shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  dt = jnp.dtype(cfg.dtype)
+  if sharding is None:
+    return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt),
+                   jnp.zeros((batch,), jnp.int32))
+  mk = jax.jit(lambda: KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt),
+                               jnp.zeros((batch,), jnp.int32)),
+               out_shardings=sharding)
+  return mk()
+
+
+# --------------------------------------------------------------------------- maths
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm in f32, scale applied after casting back (HF Qwen2RMSNorm order)."""
+  xf = x.astype(jnp.float32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return w.astype(x.dtype) * xf.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+  """f32[Dh/2] inverse frequencies, with llama3 scaling if configured.
+
+  llama3 scaling (Llama 3.1 release): wavelengths longer than
+  original_max / low_freq_factor are divided by `factor`, shorter than
+  original_max / high_freq_factor are kept, and the band between is a linear blend
+  in (original_max / wavelength).
+  """
+  hd = cfg.head_dim
+  inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+  sc = cfg.rope_scaling_dict
+  if sc is None or sc.get("rope_type", sc.get("type")) in (None, "default"):
+    return inv.astype(np.float32)
+  if sc.get("rope_type", sc.get("type")) != "llama3":
+    raise NotImplementedError(f"rope_scaling {sc} is not supported (only llama3)")
+  factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+  old = sc["original_max_position_embeddings"]
+  wavelen = 2 * math.pi / inv
+  scaled = np.where(wavelen > old / lo, inv / factor, inv)
+  smooth = (old / wavelen - lo) / (hi - lo)
+  blended = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+  return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def rope_cos_sin(inv_freq: np.ndarray, positions: jax.Array, dtype):
+  """positions i32[B, C] -> (cos, sin) each [B, C, 1, Dh] in `dtype`."""
+  ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+  ang = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]
+  return jnp.cos(ang).astype(dtype), jnp.sin(ang).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """x [B, C, N, Dh], rotate-half layout (HF `rotate_half`)."""
+  half = x.shape[-1] // 2
+  rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return x * cos + rot * sin
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """Grouped-query softmax attention.
+
+  Args:
+    q: [B, C, H, Dh]; k, v: [B, S, KV, Dh]; mask: bool[B, C, S] (True = may attend).
+  Returns:
+    [B, C, H, Dh] in q's dtype. Scores and softmax are f32.
+  """
+  b, c, h, hd = q.shape
+  kv = k.shape[2]
+  qg = q.reshape(b, c, kv, h // kv, hd)
+  s = jnp.einsum("bckgd,bskd->bkgcs", qg, k, preferred_element_type=jnp.float32)
+  s = s * (1.0 / math.sqrt(hd))
+  s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
+  p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+  o = jnp.einsum("bkgcs,bskd->bckgd", p, v)
+  return o.reshape(b, c, h, hd)
+
+
+# --------------------------------------------------------------------------- module
+
+
+def _normal(rngs, shape, dtype):
+  return _INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype)
+
+
+class Layers(nnx.Module):
+  """All decoder blocks' parameters, stacked on a leading layer axis L.
+
+  Kernels are stored [in, out] (HF Linear weights transposed).
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    L, d, f = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    pd = jnp.dtype(cfg.param_dtype)
+    self.attn_norm = nnx.Param(jnp.ones((L, d), pd))
+    self.wq = nnx.Param(_normal(rngs, (L, d, qd), pd))
+    self.wk = nnx.Param(_normal(rngs, (L, d, kvd), pd))
+    self.wv = nnx.Param(_normal(rngs, (L, d, kvd), pd))
+    self.wo = nnx.Param(_normal(rngs, (L, qd, d), pd))
+    if cfg.qkv_bias:
+      self.bq = nnx.Param(jnp.zeros((L, qd), pd))
+      self.bk = nnx.Param(jnp.zeros((L, kvd), pd))
+      self.bv = nnx.Param(jnp.zeros((L, kvd), pd))
+    self.mlp_norm = nnx.Param(jnp.ones((L, d), pd))
+    self.w_gate = nnx.Param(_normal(rngs, (L, d, f), pd))
+    self.w_up = nnx.Param(_normal(rngs, (L, d, f), pd))
+    self.w_down = nnx.Param(_normal(rngs, (L, f, d), pd))
+
+  def stacked(self, dtype) -> dict[str, jax.Array]:
+    """{name: [L, ...] array cast to the compute dtype} for `lax.scan`."""
+    names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+    if hasattr(self, "bq"):
+      names += ["bq", "bk", "bv"]
+    return {n: getattr(self, n)[...].astype(dtype) for n in names}
+
+
+class Transformer(nnx.Module):
+  """Causal decoder LM. `model(tokens i32[B, S]) -> logits f32[B, S, V]`."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pd = jnp.dtype(cfg.param_dtype)
+    self.embed = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), pd))
+    self.layers = Layers(cfg, rngs=rngs)
+    self.final_norm = nnx.Param(jnp.ones((cfg.hidden_size,), pd))
+    if not cfg.tie_embeddings:
+      self.lm_head = nnx.Param(_normal(rngs, (cfg.hidden_size, cfg.vocab_size), pd))
+
+  # ---- pieces ------------------------------------------------------------
+
+  @property
+  def dtype(self):
+    return jnp.dtype(self.cfg.dtype)
+
+  def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+    """tokens i32[B, S] -> [B, S, D] in the compute dtype."""
+    return jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """Final-normed hidden [..., D] -> logits f32[..., V]."""
+    h = hidden.astype(self.dtype)
+    if self.cfg.tie_embeddings:
+      w = self.embed[...].astype(self.dtype)
+      return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
+    w = self.lm_head[...].astype(self.dtype)
+    return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+
+  def _qkv(self, p, h, positions):
+    cfg = self.cfg
+    b, c, _ = h.shape
+    q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+    if "bq" in p:
+      q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    q = q.reshape(b, c, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(b, c, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(b, c, cfg.num_kv_heads, cfg.head_dim)
+    cos, sin = rope_cos_sin(rope_inv_freq(cfg), positions, h.dtype)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+  def _mlp(self, p, x):
+    h = rms_norm(x, p["mlp_norm"], self.cfg.rms_norm_eps)
+    return x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+
+  def _attn_out(self, p, x, o):
+    b, c = o.shape[:2]
+    return x + o.reshape(b, c, -1) @ p["wo"]
+
+  def _maybe_remat(self, fn):
+    return jax.checkpoint(fn, prevent_cse=False) if self.cfg.remat == "full" else fn
+
+  # ---- full (cache-free) forward ----------------------------------------
+
+  def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
+             mask: jax.Array | None = None) -> jax.Array:
+    """Final-normed hidden states.
+
+    Args:
+      tokens: i32[B, S].
+      positions: i32[B, S] RoPE positions; default 0..S-1.
+      mask: optional bool[B, S, S] attention mask; default causal.
+    Returns:
+      [B, S, D] in the compute dtype.
+    """
+    b, s = tokens.shape
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    if mask is None:
+      mask = jnp.broadcast_to(jnp.tril(jnp.ones((s, s), bool)), (b, s, s))
+    x = self.embed_tokens(tokens)
+
+    def block(x, p):
+      h = rms_norm(x, p["attn_norm"], self.cfg.rms_norm_eps)
+      q, k, v = self._qkv(p, h, positions)
+      x = self._attn_out(p, x, attend(q, k, v, mask))
+      return self._mlp(p, x), None
+
+    x, _ = jax.lax.scan(self._maybe_remat(block), x, self.layers.stacked(self.dtype))
+    return rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
+
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """tokens i32[B, S] -> causal logits f32[B, S, V]."""
+    return self.logits(self.hidden(tokens, positions))
+
+  # ---- cached forward ------------------------------------------------------
+
+  def extend_hidden(self, cache: KVCache, tokens: jax.Array,
+                    lengths: jax.Array) -> tuple[jax.Array, KVCache]:
+    """Like `extend` but returns final-normed hidden [B, C, D] instead of logits."""
+    b, c = tokens.shape
+    s_max = cache.max_len
+    lengths = lengths.astype(jnp.int32)
+    offs = jnp.arange(c, dtype=jnp.int32)
+    positions = cache.pos[:, None] + offs                                  # [B, C]
+    # Slots of padding tokens (i >= lengths[b]) point out of range: dropped.
+    slots = jnp.where(offs[None] < lengths[:, None], positions, s_max)     # [B, C]
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, c))
+    mask = jnp.arange(s_max)[None, None, :] <= positions[:, :, None]      # [B, C, S]
+    x = self.embed_tokens(tokens)
+
+    def block(carry, xs):
+      x, ks, vs = carry
+      p, layer = xs
+      h = rms_norm(x, p["attn_norm"], self.cfg.rms_norm_eps)
+      q, k, v = self._qkv(p, h, positions)
+      kl = ks[layer].at[rows, slots].set(k.astype(ks.dtype), mode="drop")
+      vl = vs[layer].at[rows, slots].set(v.astype(vs.dtype), mode="drop")
+      ks = jax.lax.dynamic_update_index_in_dim(ks, kl, layer, 0)
+      vs = jax.lax.dynamic_update_index_in_dim(vs, vl, layer, 0)
+      x = self._attn_out(p, x, attend(q, kl.astype(q.dtype), vl.astype(q.dtype), mask))
+      return (self._mlp(p, x), ks, vs), None
+
+    xs = (self.layers.stacked(self.dtype), jnp.arange(self.cfg.num_layers))
+    (x, k, v), _ = jax.lax.scan(block, (x, cache.k, cache.v), xs)
+    new_pos = jnp.minimum(cache.pos + lengths, s_max)
+    x = rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
+    return x, KVCache(k, v, new_pos)
+
+
+def extend(model: Transformer, cache: KVCache, tokens: jax.Array,
+           lengths: jax.Array) -> tuple[jax.Array, KVCache]:
+  """Appends each row's new tokens to the cache and returns their logits.
+
+  Row b's first `lengths[b]` tokens are written at slots pos[b] .. pos[b] +
+  lengths[b] - 1 (RoPE position = slot index); token i attends to every slot <=
+  pos[b] + i of its own row. Rows with length 0 are unchanged. Tokens that would land
+  at a slot >= S_max are dropped (never clamped onto valid slots) and `pos` saturates
+  at S_max, so size the cache for the longest trajectory.
+
+  Args:
+    model: the Transformer.
+    cache: KVCache with pos i32[B].
+    tokens: i32[B, C], right-padded; entries past lengths[b] are ignored.
+    lengths: i32[B] in [0, C].
+  Returns:
+    (logits f32[B, C, V] -- rows' padding positions hold junk --, new cache).
+  """
+  h, cache = model.extend_hidden(cache, tokens, lengths)
+  return model.logits(h), cache

@@ -1,0 +1,119 @@
+"""Transformer, KV-cache `extend` and config tests on tiny random models (CPU)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gigrl.config_utils import ConfigError
+from gigrl.models import (PRESETS, ModelConfig, Transformer, default_config, extend,
+                          init_cache, model_config_from, validate)
+from gigrl.models.transformer import rope_inv_freq
+
+TOL = 2e-5
+
+
+def _cfg(**kw):
+  return PRESETS["tiny"].replace(**kw)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return Transformer(_cfg(), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+  return jax.random.randint(jax.random.key(1), (3, 12), 0, 512, dtype=jnp.int32)
+
+
+def test_forward_shapes_and_causality(model, tokens):
+  logits = model(tokens)
+  assert logits.shape == (3, 12, 512) and logits.dtype == jnp.float32
+  assert model.hidden(tokens).shape == (3, 12, 128)
+  # Changing a later token must not change earlier logits.
+  other = tokens.at[:, 8].set((tokens[:, 8] + 1) % 512)
+  np.testing.assert_allclose(model(other)[:, :8], logits[:, :8], atol=1e-6)
+  assert np.abs(model(other)[:, 8] - logits[:, 8]).max() > 1e-4
+
+
+def test_extend_prefill_and_decode_match_full(model, tokens):
+  """Chunked prefill with mixed row lengths, then single-token steps, then a chunk."""
+  full = np.asarray(model(tokens))
+  b, s = tokens.shape
+  cache = init_cache(model.cfg, b, 16)
+  pos = np.zeros(b, np.int64)
+  for lens in ([5, 2, 0], [1, 1, 1], [0, 4, 3], [1, 1, 1], [3, 2, 6]):
+    lens = np.asarray(lens)
+    chunk = np.stack([np.pad(np.asarray(tokens[r, pos[r]:pos[r] + lens[r]]),
+                             (0, max(lens) - lens[r])) for r in range(b)])
+    logits, cache = extend(model, cache, jnp.asarray(chunk, jnp.int32),
+                           jnp.asarray(lens, jnp.int32))
+    for r in range(b):
+      np.testing.assert_allclose(logits[r, :lens[r]], full[r, pos[r]:pos[r] + lens[r]],
+                                 atol=TOL, rtol=TOL)
+    pos += lens
+    np.testing.assert_array_equal(cache.pos, pos)
+
+
+def test_extend_drops_overflow_instead_of_clamping(model, tokens):
+  cache = init_cache(model.cfg, 3, 6)
+  _, cache = extend(model, cache, tokens[:, :5], jnp.array([5, 5, 5]))
+  k_before = np.asarray(cache.k)
+  _, cache = extend(model, cache, tokens[:, 5:9], jnp.array([4, 1, 0]))
+  # Row 0: slot 5 written, slots 0..4 untouched (a clamped write would shift them).
+  np.testing.assert_array_equal(cache.k[:, 0, :5], k_before[:, 0, :5])
+  np.testing.assert_array_equal(cache.pos, [6, 6, 5])
+  np.testing.assert_array_equal(cache.k[:, 2], k_before[:, 2])
+
+
+def test_untied_bias_free_and_bf16():
+  cfg = _cfg(tie_embeddings=False, qkv_bias=False, dtype="bfloat16")
+  m = Transformer(cfg, rngs=nnx.Rngs(3))
+  toks = jnp.arange(10, dtype=jnp.int32)[None] % 512
+  logits = m(toks)
+  assert logits.dtype == jnp.float32 and "lm_head" in nnx.state(m)
+  assert "bq" not in nnx.state(m)["layers"]
+  cache = init_cache(cfg, 1, 12)
+  assert cache.k.dtype == jnp.bfloat16
+  out, _ = extend(m, cache, toks, jnp.array([10]))
+  np.testing.assert_allclose(out, logits, atol=0.05)
+
+
+def test_llama3_rope_scaling_changes_only_low_frequencies():
+  base = _cfg(head_dim=64, rope_theta=5e5)
+  scaled = base.replace(rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 64})
+  a, b = rope_inv_freq(base), rope_inv_freq(scaled)
+  assert a[0] == b[0]                                 # highest frequency kept
+  np.testing.assert_allclose(b[-1], a[-1] / 8.0, rtol=1e-6)  # lowest divided
+  assert hash(scaled)                                 # dict frozen -> hashable
+
+
+def test_config_validation_and_overrides():
+  c = default_config()
+  validate(c)
+  c.num_layers = 3
+  mc = model_config_from(c, vocab_size=300)
+  assert isinstance(mc, ModelConfig)
+  assert (mc.num_layers, mc.vocab_size, mc.hidden_size) == (3, 300, 128)
+  c.dtype = "float64"
+  with pytest.raises(ConfigError, match="model.dtype"):
+    validate(c)
+  c.dtype = "bfloat16"
+  c.preset = "nope"
+  with pytest.raises(ConfigError, match="model.preset"):
+    validate(c)
+  c.preset = "tiny"
+  c.mesh.tp = 0
+  with pytest.raises(ConfigError, match="model.mesh.tp"):
+    validate(c)
+
+
+def test_presets_param_counts():
+  # Published sizes: Qwen2.5-0.5B 494M, 1.5B 1.54B, 7B 7.62B; Llama-3.2-1B 1.24B.
+  assert abs(PRESETS["qwen2.5-0.5b"].num_params / 1e9 - 0.494) < 0.01
+  assert abs(PRESETS["qwen2.5-1.5b"].num_params / 1e9 - 1.54) < 0.02
+  assert abs(PRESETS["qwen2.5-7b"].num_params / 1e9 - 7.62) < 0.03
+  assert abs(PRESETS["llama-3.2-1b"].num_params / 1e9 - 1.24) < 0.01
