@@ -143,14 +143,14 @@ def serve_in_thread(retriever: Retriever, host: str = "127.0.0.1", port: int = 0
     num_docs: reported by ``/health`` (default ``retriever.num_docs`` or -1).
   Returns:
     (server, url) with url ``http://host:port/retrieve``; stop with
-    ``server.shutdown(); server.server_close()``.
+    ``server.shutdown(); server.server_close()`` (shutdown takes <= 0.05 s).
   """
   if num_docs is None:
     num_docs = getattr(retriever, "num_docs", -1)
   server = ThreadingHTTPServer((host, port), _make_handler(retriever, num_docs, topk))
   server.daemon_threads = True
-  thread = threading.Thread(target=server.serve_forever, name="retriever-server",
-                            daemon=True)
+  thread = threading.Thread(target=server.serve_forever, args=(0.05,),
+                            name="retriever-server", daemon=True)
   thread.start()
   return server, f"http://{host}:{server.server_address[1]}/retrieve"
 
