@@ -1,0 +1,18 @@
+"""Advantage estimators as pure jit/vmap kernels over padded batches.
+
+One module per estimator (``grpo``, ``stratified``, ``gigpo``, ``hadw``), host
+side anchor grouping in ``anchors``, and the config-driven composition in
+``compose`` (re-exported here). See ESTIMATORS.md in the shared spec.
+"""
+from gigrl.advantages.compose import AdvantageConfig
+from gigrl.advantages.compose import AdvantageInputs
+from gigrl.advantages.compose import AdvantageState
+from gigrl.advantages.compose import compute_advantages
+from gigrl.advantages.compose import default_config
+from gigrl.advantages.compose import init_state
+from gigrl.advantages.compose import validate
+
+__all__ = [
+    "AdvantageConfig", "AdvantageInputs", "AdvantageState",
+    "compute_advantages", "default_config", "init_state", "validate",
+]

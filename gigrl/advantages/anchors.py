@@ -1,0 +1,161 @@
+"""Host-side anchor-state grouping for GiGPO -> ``anchor_ids int32[P, G, T]``.
+
+Reference: verl-agent@2716b30b ``gigpo/core_gigpo.py::build_step_group`` and
+``to_hashable`` (ESTIMATORS.md §3.4). Groups are formed **within each prompt
+group only**, across all time steps and trajectories of that prompt.
+
+* exact grouping: the key is the observation made hashable (str/int/float/bool
+  as is, arrays flattened to tuples, list/tuple/dict recursively to tuples);
+  :func:`exact_anchor_ids` for Python objects, :func:`token_anchor_ids` for
+  padded token-id arrays (vectorised 64-bit hashing);
+* similarity grouping: rows of a prompt are scanned in batch order
+  (trajectory by trajectory, steps in order); each row joins the first cluster
+  whose representative (its first member, never updated) has
+  ``difflib.SequenceMatcher(None, obs, rep).ratio() >= threshold``, otherwise
+  it opens a new cluster (greedy, order-dependent, O(n^2) per prompt).
+
+Ids are dense per prompt in order of first appearance; padded steps get -1.
+The device kernels only compare ids for equality within a prompt.
+"""
+from __future__ import annotations
+
+import difflib
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+PAD_ID = -1
+
+
+def to_hashable(obs: Any) -> Any:
+  """Makes an observation hashable like verl-agent ``to_hashable``.
+
+  Args:
+    obs: str, number, bool, np.ndarray, list/tuple or dict (nested).
+
+  Returns:
+    A hashable equivalent (arrays -> flattened tuples, containers -> tuples).
+
+  Raises:
+    TypeError: for any other type.
+  """
+  if isinstance(obs, (str, int, float, bool, bytes)):
+    return obs
+  if isinstance(obs, np.ndarray):
+    return tuple(obs.ravel().tolist())
+  if isinstance(obs, (list, tuple)):
+    return tuple(to_hashable(o) for o in obs)
+  if isinstance(obs, dict):
+    return tuple(sorted((k, to_hashable(v)) for k, v in obs.items()))
+  if isinstance(obs, np.generic):
+    return obs.item()
+  raise TypeError(f"cannot hash anchor observation of type {type(obs)}")
+
+
+def _ids(observations: Sequence[Sequence[Sequence[Any]]],
+         assign: Callable[[list, Any], int]) -> np.ndarray:
+  """Runs ``assign(state, obs)`` over each prompt's rows in batch order."""
+  p_n = len(observations)
+  g_n = max((len(g) for g in observations), default=0)
+  t_n = max((len(t) for g in observations for t in g), default=0)
+  out = np.full((p_n, g_n, t_n), PAD_ID, np.int32)
+  for p, group in enumerate(observations):
+    state: list = []
+    for g, traj in enumerate(group):
+      for t, obs in enumerate(traj):
+        if obs is not None:
+          out[p, g, t] = assign(state, obs)
+  return out
+
+
+def exact_anchor_ids(observations: Sequence[Sequence[Sequence[Any]]]
+                     ) -> np.ndarray:
+  """Exact anchor grouping (verl-agent default, ``enable_similarity=False``).
+
+  Args:
+    observations: nested ``[P][G][T]`` lists of anchor observations (text,
+      token-id tuples/arrays, ...); ``None`` (or a shorter list) = padding.
+
+  Returns:
+    int32[P, G, T] ids, dense per prompt; -1 on padding.
+
+  Raises:
+    TypeError: an observation cannot be made hashable.
+  """
+  def assign(state, obs):
+    if not state:
+      state.append({})
+    table = state[0]
+    return table.setdefault(to_hashable(obs), len(table))
+
+  return _ids(observations, assign)
+
+
+def similarity_anchor_ids(observations: Sequence[Sequence[Sequence[str]]],
+                          threshold: float = 0.9) -> np.ndarray:
+  """Greedy similarity grouping (verl-agent ``enable_similarity=True``).
+
+  Args:
+    observations: nested ``[P][G][T]`` lists of text observations; ``None``
+      = padding.
+    threshold: minimum ``SequenceMatcher.ratio()`` to join a cluster, in
+      (0, 1) (verl-agent search script: 0.9).
+
+  Returns:
+    int32[P, G, T] cluster ids, dense per prompt; -1 on padding.
+
+  Raises:
+    ValueError: threshold not in (0, 1).
+  """
+  if not 0.0 < threshold < 1.0:
+    raise ValueError(f"similarity threshold must be in (0, 1), got {threshold}")
+
+  def assign(reps, obs):
+    for cid, rep in enumerate(reps):
+      if difflib.SequenceMatcher(None, obs, rep).ratio() >= threshold:
+        return cid
+    reps.append(obs)
+    return len(reps) - 1
+
+  return _ids(observations, assign)
+
+
+def token_anchor_ids(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+  """Vectorised exact grouping of token-id observations.
+
+  Two steps of one prompt share an id iff their first ``lengths`` tokens are
+  equal, up to 64-bit hash collisions (probability about n^2 / 2^64 per
+  prompt with n rows). Cost: one pass over the tokens plus a sort.
+
+  Args:
+    tokens: int[P, G, T, L] observation token ids (padding beyond length is
+      ignored).
+    lengths: int[P, G, T] observation lengths; a negative length marks a
+      padded step.
+
+  Returns:
+    int32[P, G, T] ids (not dense, but < P*G*T); -1 on padded steps.
+  """
+  tokens = np.asarray(tokens)
+  lengths = np.asarray(lengths)
+  p_n, g_n, t_n, l_n = tokens.shape
+  pos = np.arange(l_n)
+  tok = np.where(pos < lengths[..., None], tokens, 0).astype(np.uint64)
+  mult = np.uint64(0x9E3779B97F4A7C15)
+  coef = np.cumprod(np.full(l_n, mult, np.uint64), dtype=np.uint64)
+  with np.errstate(over="ignore"):
+    h = (tok * coef).sum(-1, dtype=np.uint64)
+    h ^= lengths.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
+    h = h ^ (h >> np.uint64(31))
+  h = h.reshape(p_n, -1)
+  order = np.argsort(h, axis=-1, kind="stable")
+  sh = np.take_along_axis(h, order, axis=-1)
+  new = np.ones_like(sh, bool)
+  new[:, 1:] = sh[:, 1:] != sh[:, :-1]
+  first = np.maximum.accumulate(np.where(new, np.arange(h.shape[1]), 0),
+                                axis=-1)
+  ids = np.empty_like(order)
+  np.put_along_axis(ids, order, np.take_along_axis(order, first, axis=-1),
+                    axis=-1)
+  ids = ids.reshape(p_n, g_n, t_n).astype(np.int32)
+  return np.where(lengths >= 0, ids, PAD_ID).astype(np.int32)
