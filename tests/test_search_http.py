@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 import urllib.parse
 
 import pytest

@@ -74,7 +74,8 @@ class HttpRetriever:
   def __init__(self, url: str, *, timeout_s: float = 30.0):
     """Args:
       url: full endpoint, e.g. ``'http://127.0.0.1:8000/retrieve'``.
-      timeout_s: socket timeout per request, seconds (connect and each read).
+      timeout_s: socket timeout, seconds, applied to the connect and to each
+        read (a server that answers but trickles bytes can take longer).
     """
     self.url, self.timeout_s = url, timeout_s
 
@@ -89,7 +90,10 @@ class HttpRetriever:
       with _OPENER.open(req, timeout=self.timeout_s) as resp:
         return resp.read()
     except urllib.error.HTTPError as e:
-      detail = e.read(300).decode("utf-8", "replace")
+      try:
+        detail = e.read(300).decode("utf-8", "replace")
+      except (OSError, http.client.HTTPException):
+        detail = "<unreadable body>"
       raise self._fail(f"HTTP {e.code}: {detail}", e.code >= 500) from None
     except (TimeoutError, socket.timeout):
       raise self._fail(f"timed out after {self.timeout_s} s", True) from None
