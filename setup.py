@@ -18,6 +18,7 @@ CORE = [
     "numpy>=1.26",
     "matplotlib>=3.8",
     "absl-py>=2.1",
+    "importlib_resources>=6.0",  # tfds builders need it (no TensorFlow)
 ]
 TEST = ["pytest>=8", "hypothesis>=6.100"]
 HF = ["torch==2.13.0", "transformers>=4.50"]

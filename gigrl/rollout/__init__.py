@@ -1,0 +1,1 @@
+"""Rollout stage: the Search-R1 protocol and the multi-turn engines."""

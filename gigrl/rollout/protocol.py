@@ -1,0 +1,71 @@
+"""The Search-R1 protocol: prompt template, actions, observation format.
+
+Reference: PeterGriffinJin/Search-R1 @ a14dc3a (``scripts/data_process/nq_search.py`` for the
+template, ``search_r1/llm_agent/generation.py`` for action parsing, observations and the
+invalid-action message); see ``shared/spec/SEARCH_AGENTS.md`` §1.1-1.3.
+"""
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+INSTRUCTION = (
+    "Answer the given question. You must conduct reasoning inside <think> and </think> first "
+    "every time you get new information. After reasoning, if you find you lack some knowledge, "
+    "you can call a search engine by <search> query </search> and it will return the top "
+    "searched results between <information> and </information>. You can search as many times "
+    "as your want. If you find no further external knowledge needed, you can directly provide "
+    "the answer inside <answer> and </answer>, without detailed illustrations. For example, "
+    "<answer> Beijing </answer>. Question: ")
+
+INVALID_ACTION_MSG = (
+    "\nMy previous action is invalid. If I want to search, I should put the query between "
+    "<search> and </search>. If I want to give the final answer, I should put the answer "
+    "between <answer> and </answer>. Let me try again.\n")
+
+SEARCH_END, ANSWER_END = "</search>", "</answer>"
+_ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+
+
+def make_prompt(question: str) -> str:
+  """Search-R1 prompt for one question: stripped, '?' appended if missing."""
+  q = question.strip()
+  if not q.endswith("?"):
+    q += "?"
+  return INSTRUCTION + q + "\n"
+
+
+def parse_action(response: str) -> tuple[str, str]:
+  """First ``<search>q</search>`` or ``<answer>a</answer>`` in a turn's generated text.
+
+  Returns:
+    ``("search", query)``, ``("answer", answer)`` or ``("invalid", "")``; the payload is stripped.
+  """
+  m = _ACTION.search(response)
+  if m is None:
+    return "invalid", ""
+  return m.group(1), m.group(2).strip()
+
+
+def truncate_at_action(response: str) -> str:
+  """Cuts a turn at the first ``</search>``, else the first ``</answer>`` (Search-R1
+  ``_postprocess_responses``)."""
+  for tag in (SEARCH_END, ANSWER_END):
+    i = response.find(tag)
+    if i >= 0:
+      return response[:i + len(tag)]
+  return response
+
+
+def format_passages(contents: Sequence[str]) -> str:
+  """``Doc i(Title: T) text`` lines, as Search-R1 ``_passages2string``."""
+  out = []
+  for i, c in enumerate(contents):
+    title, _, text = c.partition("\n")
+    out.append(f"Doc {i + 1}(Title: {title}) {text}\n")
+  return "".join(out)
+
+
+def format_observation(passages_text: str) -> str:
+  """The observation appended after a search turn."""
+  return "\n\n<information>" + passages_text.strip() + "</information>\n\n"
