@@ -1,0 +1,243 @@
+"""PPO-clip / GRPO token loss, KL penalties and loss aggregation.
+
+Follows volcengine/verl@b178a3cd ``verl/trainer/ppo/core_algos.py``
+(``compute_policy_loss_vanilla``, ``kl_penalty``, ``agg_loss``) and
+``verl/workers/actor/dp_actor.py`` (ESTIMATORS.md §2.2-2.4), single
+micro-batch form (no global batch info, dp_size 1):
+
+* ratio ``ρ = exp(clip(logπ - logπ_old, -20, 20))``;
+  ``L = max(-Aρ, -A clip(ρ, 1-ε_low, 1+ε_high))`` (clip-higher via separate
+  ``clip_ratio_low`` / ``clip_ratio_high``); dual-clip for ``A < 0``:
+  ``min(L, -A c)`` with ``c = clip_ratio_c > 1``;
+* KL kinds ``kl``/``k1``, ``abs``, ``mse``/``k2``, ``low_var_kl``/``k3`` and
+  the straight-through ``"<kind>+"`` variants (forward value of the kind,
+  gradient of k2);
+* aggregation ``token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-mean``,
+  ``seq-mean-token-sum-norm``;
+* total = ``pg_loss + kl_loss_coef * kl_loss`` when ``use_kl_loss``.
+
+The options are explicit keyword arguments (static Python values; bind them
+with functools.partial before jax.jit). :func:`check_loss_options` validates
+them and raises ConfigError naming the field as ``"loss.<name>"``.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gigrl import config_utils
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+             "seq-mean-token-sum-norm")
+KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+  """verl ``masked_mean``: ``sum(x * mask) / (sum(mask) + 1e-8)``.
+
+  Args:
+    x: f32[B, S].
+    mask: f32[B, S] (1 = valid).
+
+  Returns:
+    f32[] masked mean (0 when the mask is empty).
+  """
+  return (x * mask).sum() / (mask.sum() + 1e-8)
+
+
+def kl_penalty(logprob: jax.Array, ref_logprob: jax.Array,
+               kind: str = "low_var_kl") -> jax.Array:
+  """Per-token KL estimate between the policy and the reference.
+
+  Reference: verl ``kl_penalty`` (ESTIMATORS.md §2.3); Schulman's k1/k2/k3.
+
+  Args:
+    logprob: f32[B, S] log π.
+    ref_logprob: f32[B, S] log π_ref.
+    kind: ``kl``/``k1`` (logπ - logπ_ref), ``abs``, ``mse``/``k2``
+      (½ diff²), ``low_var_kl``/``k3`` (exp(x) - x - 1 with
+      x = clip(logπ_ref - logπ, ±20), output clipped to ±10); a trailing
+      ``"+"`` keeps the forward value and uses the k2 gradient.
+
+  Returns:
+    f32[B, S] per-token KL.
+
+  Raises:
+    ValueError: unknown kind.
+  """
+  if kind.endswith("+"):
+    fwd = kl_penalty(logprob, ref_logprob, kind[:-1])
+    bwd = kl_penalty(logprob, ref_logprob, "k2")
+    return bwd - jax.lax.stop_gradient(bwd) + jax.lax.stop_gradient(fwd)
+  diff = logprob - ref_logprob
+  if kind in ("kl", "k1"):
+    return diff
+  if kind == "abs":
+    return jnp.abs(diff)
+  if kind in ("mse", "k2"):
+    return 0.5 * diff * diff
+  if kind in ("low_var_kl", "k3"):
+    x = jnp.clip(-diff, -20.0, 20.0)
+    return jnp.clip(jnp.exp(x) - x - 1.0, -10.0, 10.0)
+  raise ValueError(f"unknown KL kind {kind!r}; allowed {KL_KINDS} (+ '+')")
+
+
+def agg_loss(loss_mat: jax.Array, loss_mask: jax.Array,
+             mode: str = "token-mean",
+             loss_scale_factor: float | None = None) -> jax.Array:
+  """Aggregates a token loss matrix to a scalar (verl ``agg_loss``).
+
+  Args:
+    loss_mat: f32[B, S] per-token loss.
+    loss_mask: f32[B, S] (1 on generated tokens).
+    mode: ``token-mean`` (Σ mask·loss / Σ mask), ``seq-mean-token-sum``
+      (per-sequence token sums averaged over sequences with >= 1 token),
+      ``seq-mean-token-mean`` (per-sequence token means, same average), or
+      ``seq-mean-token-sum-norm`` (Σ of all sequence sums / loss_scale_factor,
+      default S, the padded length; Dr. GRPO).
+    loss_scale_factor: divisor of ``seq-mean-token-sum-norm``.
+
+  Returns:
+    f32[] loss.
+
+  Raises:
+    ValueError: unknown mode.
+  """
+  mask = loss_mask.astype(jnp.float32)
+  if mode == "token-mean":
+    return (loss_mat * mask).sum() / jnp.maximum(mask.sum(), 1e-8)
+  seq_sum = (loss_mat * mask).sum(-1)
+  seq_len = mask.sum(-1)
+  if mode == "seq-mean-token-sum-norm":
+    scale = loss_mask.shape[-1] if loss_scale_factor is None else (
+        loss_scale_factor)
+    return seq_sum.sum() / scale
+  if mode == "seq-mean-token-sum":
+    per_seq = seq_sum
+  elif mode == "seq-mean-token-mean":
+    per_seq = seq_sum / (seq_len + 1e-8)
+  else:
+    raise ValueError(f"unknown loss_agg_mode {mode!r}; allowed {AGG_MODES}")
+  has = (seq_len > 0).astype(jnp.float32)
+  return (per_seq * has).sum() / jnp.maximum(has.sum(), 1.0)
+
+
+def policy_loss(logprob: jax.Array, old_logprob: jax.Array,
+                advantages: jax.Array, loss_mask: jax.Array, *,
+                clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+                clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean",
+                loss_scale_factor: float | None = None
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Dual-clip PPO policy loss (verl ``compute_policy_loss_vanilla``).
+
+  Args:
+    logprob, old_logprob, advantages, loss_mask: f32[B, S].
+    clip_ratio_low: ε_low (ratio floor 1 - ε_low).
+    clip_ratio_high: ε_high (ratio ceiling 1 + ε_high; clip-higher).
+    clip_ratio_c: dual-clip constant c > 1.
+    loss_agg_mode: see :func:`agg_loss`.
+    loss_scale_factor: see :func:`agg_loss`.
+
+  Returns:
+    (pg_loss f32[], metrics with f32[] ``pg_clipfrac``, ``ppo_kl``,
+    ``pg_clipfrac_lower``).
+  """
+  mask = loss_mask.astype(jnp.float32)
+  neg_kl = jnp.clip(logprob - old_logprob, -20.0, 20.0)
+  ratio = jnp.exp(neg_kl)
+  l1 = -advantages * ratio
+  l2 = -advantages * jnp.clip(ratio, 1.0 - clip_ratio_low,
+                              1.0 + clip_ratio_high)
+  clip1 = jnp.maximum(l1, l2)
+  l3 = -advantages * clip_ratio_c
+  clip2 = jnp.minimum(l3, clip1)
+  neg = advantages < 0
+  pg = jnp.where(neg, clip2, clip1)
+  metrics = {
+      "pg_clipfrac": masked_mean((l2 > l1).astype(jnp.float32), mask),
+      "ppo_kl": masked_mean(-neg_kl, mask),
+      "pg_clipfrac_lower": masked_mean(
+          ((clip1 > l3) & neg).astype(jnp.float32), mask),
+  }
+  return agg_loss(pg, mask, loss_agg_mode, loss_scale_factor), metrics
+
+
+def check_loss_options(*, clip_ratio_low: float = 0.2,
+                       clip_ratio_high: float = 0.2,
+                       clip_ratio_c: float = 3.0,
+                       loss_agg_mode: str = "token-mean",
+                       use_kl_loss: bool = False,
+                       kl_loss_coef: float = 0.001,
+                       kl_loss_type: str = "low_var_kl",
+                       loss_scale_factor: float | None = None) -> None:
+  """Validates the loss options.
+
+  Raises:
+    gigrl.config_utils.ConfigError: with field ``"loss.<name>"``.
+  """
+  root = {"loss": dict(
+      clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+      clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
+      use_kl_loss=use_kl_loss, kl_loss_coef=kl_loss_coef,
+      kl_loss_type=kl_loss_type, loss_scale_factor=loss_scale_factor)}
+  config_utils.check_range(root, "loss.clip_ratio_low", 0.0, 1.0)
+  config_utils.check_range(root, "loss.clip_ratio_high", 0.0)
+  config_utils.check_range(root, "loss.clip_ratio_c", 1.0, lo_open=True)
+  config_utils.check_choice(root, "loss.loss_agg_mode", AGG_MODES)
+  config_utils.check_choice(root, "loss.use_kl_loss", (True, False))
+  config_utils.check_range(root, "loss.kl_loss_coef", 0.0)
+  config_utils.check_choice(root, "loss.kl_loss_type",
+                            KL_KINDS + tuple(k + "+" for k in KL_KINDS))
+  if loss_scale_factor is not None:
+    config_utils.check_range(root, "loss.loss_scale_factor", 0.0,
+                             lo_open=True)
+
+
+def ppo_loss(logprob: jax.Array, old_logprob: jax.Array,
+             ref_logprob: jax.Array, advantages: jax.Array,
+             loss_mask: jax.Array, *, clip_ratio_low: float = 0.2,
+             clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
+             loss_agg_mode: str = "token-mean", use_kl_loss: bool = False,
+             kl_loss_coef: float = 0.001, kl_loss_type: str = "low_var_kl",
+             loss_scale_factor: float | None = None
+             ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Actor loss: PPO-clip policy loss plus the KL loss (verl dp_actor).
+
+  Defaults are verl's ``actor.yaml`` (clip 0.2/0.2, c = 3.0, token-mean,
+  use_kl_loss False, coef 0.001, low_var_kl). Search-R1 / GRPO recipes turn
+  the KL loss on; Dr. GRPO uses ``seq-mean-token-sum-norm`` without it.
+
+  Args:
+    logprob: f32[B, S] log π of the current policy.
+    old_logprob: f32[B, S] log π_old (rollout policy).
+    ref_logprob: f32[B, S] log π_ref (reference policy).
+    advantages: f32[B, S] per-token advantages.
+    loss_mask: f32[B, S] 1 on generated tokens.
+    clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode,
+    loss_scale_factor: see :func:`policy_loss`.
+    use_kl_loss: add ``kl_loss_coef * kl_loss`` to the loss.
+    kl_loss_coef: β.
+    kl_loss_type: see :func:`kl_penalty`.
+
+  Returns:
+    (loss f32[], metrics: dict of f32[] ``pg_loss``, ``kl`` (aggregated KL
+    loss, computed even when unused), ``pg_clipfrac``, ``ppo_kl``,
+    ``pg_clipfrac_lower``).
+
+  Raises:
+    gigrl.config_utils.ConfigError: invalid option (field ``loss.<name>``).
+  """
+  check_loss_options(
+      clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+      clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
+      use_kl_loss=use_kl_loss, kl_loss_coef=kl_loss_coef,
+      kl_loss_type=kl_loss_type, loss_scale_factor=loss_scale_factor)
+  pg, metrics = policy_loss(
+      logprob, old_logprob, advantages, loss_mask,
+      clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+      clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
+      loss_scale_factor=loss_scale_factor)
+  kld = kl_penalty(logprob, ref_logprob, kl_loss_type)
+  kl = agg_loss(kld, loss_mask, loss_agg_mode, loss_scale_factor)
+  loss = pg + kl_loss_coef * kl if use_kl_loss else pg
+  return loss, {"pg_loss": pg, "kl": kl, **metrics}
