@@ -1,0 +1,156 @@
+"""Sampler tests: greedy == argmax of the full forward, stops, budgets, determinism."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gigrl.models import PRESETS, Transformer, decode, extend_last, generate, init_cache
+from gigrl.models.sampler import filter_logits
+
+CFG = PRESETS["tiny"].replace(vocab_size=64, hidden_size=64, intermediate_size=128,
+                              head_dim=16)
+N = 6
+
+
+@pytest.fixture(scope="module")
+def split():
+  return nnx.split(Transformer(CFG, rngs=nnx.Rngs(0)))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+  toks = np.asarray(jax.random.randint(jax.random.key(2), (3, 5), 0, 64), np.int32)
+  lens = np.array([5, 3, 1], np.int32)
+  return toks * (np.arange(5)[None] < lens[:, None]), lens
+
+
+_WIDTH = 24
+
+
+@jax.jit
+def _padded_logits(state, seq):
+  """Full-forward logits of one right-padded sequence i32[_WIDTH] (causal)."""
+  g, _ = nnx.split(Transformer(CFG, rngs=nnx.Rngs(0)))
+  return nnx.merge(g, state)(seq[None])[0]
+
+
+def _greedy_reference(model, prompt, n):
+  """Greedy continuation recomputed from scratch with the cache-free forward."""
+  st = nnx.state(model)
+  seq = list(prompt)
+  for _ in range(n):
+    logits = _padded_logits(st, jnp.asarray(seq + [0] * (_WIDTH - len(seq))))
+    seq.append(int(jnp.argmax(logits[len(seq) - 1])))
+  return seq[len(prompt):]
+
+
+def _expected_len(tokens, stops, budget):
+  """Python reference for where a row stops: (length, stopped)."""
+  for i in range(min(len(tokens), budget)):
+    if any(list(tokens[max(0, i + 1 - len(s)):i + 1]) == list(s) for s in stops):
+      return i + 1, True
+  return min(len(tokens), budget), False
+
+
+def test_greedy_equals_argmax_of_full_forward(split, prompts):
+  g, st = split
+  toks, lens = prompts
+  out = generate(g, st, toks, lens, jax.random.key(0), max_new_tokens=N, greedy=True)
+  model = nnx.merge(g, st)
+  for r in range(3):
+    ref = _greedy_reference(model, toks[r, :lens[r]], N)
+    np.testing.assert_array_equal(out.tokens[r], ref)
+    seq = list(toks[r, :lens[r]]) + ref
+    logp = jax.nn.log_softmax(_padded_logits(st, jnp.asarray(seq + [0] * (_WIDTH - len(seq)))))
+    expect = [logp[lens[r] - 1 + i, t] for i, t in enumerate(ref)]
+    np.testing.assert_allclose(out.logprobs[r], expect, atol=1e-5)
+  assert out.mask.all() and (out.lengths == N).all() and not out.stopped.any()
+  np.testing.assert_array_equal(out.cache.pos, lens + N)
+
+
+def test_left_padded_prompts_match_right_padded(split, prompts):
+  g, st = split
+  toks, lens = prompts
+  left = np.stack([np.roll(toks[r], 5 - lens[r]) for r in range(3)])
+  a = generate(g, st, toks, lens, jax.random.key(0), max_new_tokens=N, greedy=True)
+  b = generate(g, st, left, lens, jax.random.key(0), max_new_tokens=N, greedy=True,
+               left_padded=True)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+def test_sampling_is_deterministic_per_key(split, prompts):
+  g, st = split
+  toks, lens = prompts
+  kw = dict(max_new_tokens=N, temperature=1.5, top_p=0.95, top_k=20)
+  a = generate(g, st, toks, lens, jax.random.key(7), **kw)
+  b = generate(g, st, toks, lens, jax.random.key(7), **kw)
+  c = generate(g, st, toks, lens, jax.random.key(8), **kw)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  assert not np.array_equal(a.tokens, c.tokens)
+  # top_k=1 sampling is greedy.
+  d = generate(g, st, toks, lens, jax.random.key(9), max_new_tokens=N, top_k=1)
+  e = generate(g, st, toks, lens, jax.random.key(0), max_new_tokens=N, greedy=True)
+  np.testing.assert_array_equal(d.tokens, e.tokens)
+
+
+def test_stop_sequences_and_budgets(split, prompts):
+  g, st = split
+  toks, lens = prompts
+  free = generate(g, st, toks, lens, jax.random.key(0), max_new_tokens=N, greedy=True)
+  t = np.asarray(free.tokens)
+  stops = [[int(t[0, 2])], [int(t[1, 1]), int(t[1, 2])]]
+  budget = [N, N, 2]
+  out = generate(g, st, toks, lens, jax.random.key(0), max_new_tokens=N, greedy=True,
+                 stop_sequences=stops, budget=jnp.array(budget))
+  assert out.stopped[0] and out.stopped[1]
+  for r in range(3):
+    assert (int(out.lengths[r]), bool(out.stopped[r])) == _expected_len(
+        t[r], stops, budget[r])
+    n = int(out.lengths[r])
+    np.testing.assert_array_equal(out.tokens[r, :n], t[r, :n])
+    assert out.mask[r, :n].all() and not out.mask[r, n:].any()
+    assert (out.tokens[r, n:] == 0).all()
+  np.testing.assert_array_equal(out.cache.pos, lens + np.asarray(out.lengths))
+
+
+def test_stop_sequence_array_form_and_no_prompt_crossing(split, prompts):
+  g, st = split
+  toks, lens = prompts
+  free = generate(g, st, toks, lens, jax.random.key(0), max_new_tokens=N, greedy=True)
+  # [last prompt token, first generated]: must NOT match across the prompt boundary.
+  stops = np.array([[-1, int(toks[0, 4]), int(free.tokens[0, 0])]])
+  out = generate(g, st, toks, lens, jax.random.key(0), max_new_tokens=N, greedy=True,
+                 stop_sequences=stops)
+  repeated = any(free.tokens[0, i] == toks[0, 4] and free.tokens[0, i + 1] ==
+                 free.tokens[0, 0] for i in range(N - 1))
+  assert bool(out.stopped[0]) == repeated
+
+
+def test_decode_continues_after_inserted_tokens(split, prompts):
+  """prefill -> decode -> insert observation via extend_last -> decode == full."""
+  g, st = split
+  toks, lens = prompts
+  model = nnx.merge(g, st)
+  cache = init_cache(CFG, 3, 32)
+  logits, cache = extend_last(g, st, cache, toks, lens, jnp.zeros((3, 64)))
+  out = decode(g, st, cache, logits, jax.random.key(0), jnp.array([True, True, False]),
+               jnp.array([3, 2, 5]), max_new_tokens=4, greedy=True)
+  np.testing.assert_array_equal(out.lengths, [3, 2, 0])
+  obs = np.array([[11, 12], [13, 0], [0, 0]], np.int32)
+  obs_len = np.array([2, 1, 0], np.int32)
+  logits, cache = extend_last(g, st, out.cache, obs, obs_len, out.next_logits)
+  out2 = decode(g, st, cache, logits, jax.random.key(1), jnp.ones(3, bool),
+                jnp.full((3,), 2), max_new_tokens=2, greedy=True)
+  for r in range(3):
+    seq = (list(toks[r, :lens[r]]) + list(out.tokens[r, :out.lengths[r]]) +
+           list(obs[r, :obs_len[r]]))
+    np.testing.assert_array_equal(out2.tokens[r], _greedy_reference(model, seq, 2))
+
+
+def test_filter_logits_top_p_and_top_k():
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+  keep = filter_logits(logits, 1.0, top_p=0.7) > -1e30
+  np.testing.assert_array_equal(keep, [[True, True, False, False]])
+  keep = filter_logits(logits, 1.0, top_k=3) > -1e30
+  np.testing.assert_array_equal(keep, [[True, True, True, False]])
