@@ -51,6 +51,9 @@ class ModelConfig:
     if isinstance(self.rope_scaling, Mapping):
       items = tuple(sorted((str(k), _freeze(v)) for k, v in self.rope_scaling.items()))
       object.__setattr__(self, "rope_scaling", items)
+    elif isinstance(self.rope_scaling, (list, tuple)):  # e.g. from asdict -> JSON
+      items = tuple(sorted((str(k), _freeze(v)) for k, v in self.rope_scaling))
+      object.__setattr__(self, "rope_scaling", items)
     if self.num_heads % max(self.num_kv_heads, 1):
       raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
                        f"num_kv_heads={self.num_kv_heads}")

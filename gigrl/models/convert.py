@@ -1,0 +1,81 @@
+"""`gigrl-convert-hf`: HF Qwen2/Llama safetensors -> orbax checkpoint.
+
+  gigrl-convert-hf --hf_dir /ckpt/Qwen2.5-0.5B --out /ckpt/qwen05_gigrl [--dtype bfloat16]
+
+Writes `<out>/state` (orbax StandardCheckpointer of the parameters as a pure dict,
+the layout of `nnx.to_pure_dict(nnx.state(Transformer))`) and
+`<out>/model_config.json` (the ModelConfig fields). `load_converted` reads it back
+onto any mesh / sharding preset (orbax reshards on restore).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from typing import Sequence
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from gigrl.models import hf
+from gigrl.models import sharding as shd
+from gigrl.models.config import ModelConfig
+from gigrl.models.transformer import Transformer
+
+
+def convert(hf_dir: str, out: str, *, dtype: str = "float32",
+            param_dtype: str | None = None) -> ModelConfig:
+  """Converts `hf_dir` into an orbax checkpoint at `out`; returns the ModelConfig."""
+  model, cfg = hf.from_hf(hf_dir, dtype=dtype, param_dtype=param_dtype)
+  out = os.path.abspath(out)
+  os.makedirs(out, exist_ok=True)
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(os.path.join(out, "state"), nnx.to_pure_dict(nnx.state(model)), force=True)
+  ckptr.wait_until_finished()
+  with open(os.path.join(out, "model_config.json"), "w") as f:
+    json.dump(dataclasses.asdict(cfg), f, indent=2)
+  return cfg
+
+
+def load_converted(out: str, *, mesh=None, preset: str = "replicated"
+                   ) -> tuple[Transformer, ModelConfig]:
+  """Restores a converted checkpoint, optionally sharded with `preset` on `mesh`."""
+  out = os.path.abspath(out)
+  with open(os.path.join(out, "model_config.json")) as f:
+    cfg = ModelConfig(**json.load(f))
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  graphdef, abs_state = nnx.split(abstract)
+  pure = nnx.to_pure_dict(abs_state)
+  if mesh is not None:
+    shardings = nnx.to_pure_dict(shd.param_shardings(abs_state, mesh, preset))
+  else:
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: dev, pure)
+  target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        pure, shardings)
+  restored = ocp.StandardCheckpointer().restore(os.path.join(out, "state"), target)
+  nnx.replace_by_pure_dict(abs_state, restored)
+  return nnx.merge(graphdef, abs_state), cfg
+
+
+def run(argv: Sequence[str] | None = None) -> None:
+  """Console entry point `gigrl-convert-hf`."""
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--hf_dir", required=True, help="HF checkpoint directory")
+  p.add_argument("--out", required=True, help="output directory")
+  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                 help="activation dtype recorded in the config")
+  p.add_argument("--param_dtype", default=None, choices=("float32", "bfloat16"),
+                 help="storage dtype (default: --dtype)")
+  args = p.parse_args(argv)
+  t0 = time.perf_counter()
+  cfg = convert(args.hf_dir, args.out, dtype=args.dtype, param_dtype=args.param_dtype)
+  print(f"converted {args.hf_dir} -> {args.out}: {cfg.num_params / 1e6:.1f}M params "
+        f"in {time.perf_counter() - t0:.1f}s")
+
+
+if __name__ == "__main__":
+  run()

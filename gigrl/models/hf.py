@@ -1,0 +1,358 @@
+"""Hugging Face checkpoint import / export for Qwen2(.5) and Llama 3.x.
+
+Import reads `config.json` and the `*.safetensors` files (single file or sharded with
+`model.safetensors.index.json`) through read-only memory maps of the safetensors
+format (8-byte little-endian header length, JSON header, raw little-endian data). Each
+parameter is built with `jax.make_array_from_callback`, so every device reads only
+its own slice of each tensor straight from the mapped file: the model is never
+copied whole into host memory.
+
+Tensor names follow HF `modeling_qwen2.py` / `modeling_llama.py`:
+`model.embed_tokens.weight`, `model.layers.{i}.{input_layernorm, post_attention_layernorm}.weight`,
+`model.layers.{i}.self_attn.{q,k,v,o}_proj.{weight,bias}`,
+`model.layers.{i}.mlp.{gate,up,down}_proj.weight`, `model.norm.weight`, `lm_head.weight`.
+HF Linear weights are [out, in]; gigrl kernels are [in, out] and stacked over layers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import struct
+from typing import Any, Iterator
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from gigrl.models.config import ModelConfig
+from gigrl.models.transformer import Transformer
+
+SUPPORTED = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+              "F64": np.float64, "I64": np.int64, "I32": np.int32}
+_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+
+# gigrl layer param -> (HF per-layer suffix, transpose)
+_LAYER_MAP = {
+    "attn_norm": ("input_layernorm.weight", False),
+    "mlp_norm": ("post_attention_layernorm.weight", False),
+    "wq": ("self_attn.q_proj.weight", True),
+    "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True),
+    "wo": ("self_attn.o_proj.weight", True),
+    "bq": ("self_attn.q_proj.bias", False),
+    "bk": ("self_attn.k_proj.bias", False),
+    "bv": ("self_attn.v_proj.bias", False),
+    "w_gate": ("mlp.gate_proj.weight", True),
+    "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True),
+}
+_TOP_MAP = {
+    "embed": ("model.embed_tokens.weight", False),
+    "final_norm": ("model.norm.weight", False),
+    "lm_head": ("lm_head.weight", True),
+}
+
+
+class HFImportError(ValueError):
+  """A checkpoint cannot be imported; the message names the tensor or field."""
+
+
+# --------------------------------------------------------------------------- config
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+  fn = os.path.join(path, "config.json")
+  if not os.path.exists(fn):
+    raise HFImportError(f"{fn} not found (expected a HF checkpoint directory)")
+  with open(fn) as f:
+    return json.load(f)
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, dict | None]:
+  """(rope_theta, llama3 scaling dict or None) from old or new (v5) config fields."""
+  params = dict(hf.get("rope_parameters") or {})
+  theta = params.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
+  scaling = params or hf.get("rope_scaling") or None
+  if scaling:
+    scaling = dict(scaling)
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+      return float(theta), None
+    if kind != "llama3":
+      raise HFImportError(f"config field rope_scaling.rope_type={kind!r} is not "
+                          "supported (only 'default' and 'llama3')")
+    scaling = {k: scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                       "original_max_position_embeddings")}
+    scaling["rope_type"] = "llama3"
+  return float(theta), scaling
+
+
+def config_from_hf(path_or_config: str | dict, *, dtype: str = "float32",
+                   param_dtype: str | None = None) -> ModelConfig:
+  """ModelConfig of a HF Qwen2 / Llama checkpoint directory or config dict."""
+  hf = (read_hf_config(path_or_config) if isinstance(path_or_config, str)
+        else path_or_config)
+  mt = hf.get("model_type")
+  if mt not in SUPPORTED:
+    raise HFImportError(f"config field model_type={mt!r} (architectures="
+                        f"{hf.get('architectures')}) is not supported; supported: "
+                        f"{sorted(SUPPORTED)}")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise HFImportError(f"config field hidden_act={hf['hidden_act']!r}: only 'silu'")
+  if hf.get("mlp_bias"):
+    raise HFImportError("config field mlp_bias=true is not supported")
+  if mt == "qwen2" and hf.get("use_sliding_window"):
+    raise HFImportError("config field use_sliding_window=true is not supported")
+  if mt == "llama" and hf.get("attention_bias"):
+    raise HFImportError("config field attention_bias=true (o_proj bias) is not "
+                        "supported for llama")
+  heads = hf["num_attention_heads"]
+  theta, scaling = _rope(hf)
+  return ModelConfig(
+      vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+      intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+      num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+      rope_theta=theta, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+      qkv_bias=(mt == "qwen2"), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      rope_scaling=scaling, dtype=dtype, param_dtype=param_dtype or dtype,
+      max_position=hf.get("max_position_embeddings", 32768))
+
+
+# --------------------------------------------------------------------------- safetensors
+
+
+class SafetensorsReader:
+  """Memory-mapped, read-only view of the tensors in a checkpoint directory."""
+
+  def __init__(self, path: str):
+    self.path = path
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+      with open(index) as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+      files = [os.path.join(path, f) for f in files]
+    else:
+      files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+      raise HFImportError(f"no *.safetensors files in {path}")
+    self.entries: dict[str, tuple[str, dict, int]] = {}
+    for fn in files:
+      for name, meta, base in _read_header(fn):
+        self.entries[name] = (fn, meta, base)
+    self._maps: dict[str, np.memmap] = {}
+
+  def __contains__(self, name: str) -> bool:
+    return name in self.entries
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self._entry(name)[1]["shape"])
+
+  def _entry(self, name):
+    if name not in self.entries:
+      raise HFImportError(f"tensor {name!r} is missing from the checkpoint {self.path}")
+    return self.entries[name]
+
+  def get(self, name: str) -> np.ndarray:
+    """Zero-copy ndarray view of tensor `name` (native dtype)."""
+    fn, meta, base = self._entry(name)
+    if meta["dtype"] not in _ST_DTYPES:
+      raise HFImportError(f"tensor {name!r} has unsupported dtype {meta['dtype']}")
+    if fn not in self._maps:
+      self._maps[fn] = np.memmap(fn, dtype=np.uint8, mode="r")
+    start, end = meta["data_offsets"]
+    raw = self._maps[fn][base + start:base + end]
+    return raw.view(_ST_DTYPES[meta["dtype"]]).reshape(meta["shape"])
+
+
+def _read_header(fn: str) -> Iterator[tuple[str, dict, int]]:
+  with open(fn, "rb") as f:
+    (n,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(n))
+  for name, meta in header.items():
+    if name != "__metadata__":
+      yield name, meta, 8 + n
+
+
+def write_safetensors(fn: str, tensors: dict[str, np.ndarray]) -> None:
+  """Writes a safetensors file (metadata format 'pt', as transformers expects)."""
+  header, offset = {"__metadata__": {"format": "pt"}}, 0
+  for name, arr in tensors.items():
+    header[name] = {"dtype": _ST_NAMES[arr.dtype], "shape": list(arr.shape),
+                    "data_offsets": [offset, offset + arr.nbytes]}
+    offset += arr.nbytes
+  blob = json.dumps(header, separators=(",", ":")).encode()
+  blob += b" " * (-len(blob) % 8)
+  with open(fn, "wb") as f:
+    f.write(struct.pack("<Q", len(blob)))
+    f.write(blob)
+    for arr in tensors.values():
+      f.write(np.ascontiguousarray(arr).tobytes())
+
+
+# --------------------------------------------------------------------------- import
+
+
+def _hf_names(name: str, num_layers: int) -> tuple[list[str], bool, bool]:
+  """(HF tensor names, transpose, stacked) of gigrl parameter `name`."""
+  if name in _LAYER_MAP:
+    suffix, tr = _LAYER_MAP[name]
+    return [f"model.layers.{i}.{suffix}" for i in range(num_layers)], tr, True
+  hf_name, tr = _TOP_MAP[name]
+  return [hf_name], tr, False
+
+
+def _load_param(reader: SafetensorsReader, name: str, abstract: jax.ShapeDtypeStruct,
+                sharding, cfg: ModelConfig) -> jax.Array:
+  names, transpose, stacked = _hf_names(name, cfg.num_layers)
+  want = abstract.shape[1:] if stacked else abstract.shape
+  want_hf = tuple(reversed(want)) if transpose else tuple(want)
+  for n in names:
+    got = reader.shape(n)
+    if got != want_hf:
+      raise HFImportError(f"tensor {n!r} has shape {got}, expected {want_hf} "
+                          f"from config.json (gigrl param {name!r})")
+  dtype = abstract.dtype
+
+  def one(n, idx):
+    arr = reader.get(n)
+    if transpose:
+      return arr[tuple(reversed(idx))].T.astype(dtype)
+    return arr[idx].astype(dtype)
+
+  def callback(index):
+    if not stacked:
+      return one(names[0], tuple(index))
+    layers = range(cfg.num_layers)[index[0]]
+    return np.stack([one(names[i], tuple(index[1:])) for i in layers])
+
+  return jax.make_array_from_callback(abstract.shape, sharding, callback)
+
+
+def from_hf(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
+            mesh: Mesh | None = None, preset: str = "replicated",
+            remat: str = "none") -> tuple[Transformer, ModelConfig]:
+  """Loads a HF Qwen2 / Llama checkpoint into a Transformer.
+
+  Args:
+    path: directory with config.json and *.safetensors.
+    dtype: activation dtype; param_dtype: storage dtype (default = dtype).
+    mesh, preset: place each parameter on `sharding.param_shardings(.., mesh,
+      preset)`; without a mesh everything goes to the first device.
+    remat: ModelConfig.remat.
+  Returns:
+    (model, cfg).
+  Raises:
+    HFImportError naming the field / tensor for an unsupported architecture, a missing
+    tensor or a shape mismatch.
+  """
+  from gigrl.models import sharding as shd
+
+  cfg = dataclasses.replace(config_from_hf(path, dtype=dtype, param_dtype=param_dtype),
+                            remat=remat)
+  reader = SafetensorsReader(path)
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  graphdef, abs_state = nnx.split(abstract)
+  pure = nnx.to_pure_dict(abs_state)
+  if mesh is not None:
+    shardings = nnx.to_pure_dict(shd.param_shardings(abs_state, mesh, preset))
+  else:
+    dev = SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: dev, pure)
+
+  def load(path_keys, x):
+    name = path_keys[-1].key
+    return _load_param(reader, name, x, _get(shardings, path_keys), cfg)
+
+  loaded = jax.tree_util.tree_map_with_path(load, pure)
+  nnx.replace_by_pure_dict(abs_state, loaded)
+  return nnx.merge(graphdef, abs_state), cfg
+
+
+def _get(tree, path_keys):
+  for k in path_keys:
+    tree = tree[k.key]
+  return tree
+
+
+# --------------------------------------------------------------------------- export
+
+
+def hf_config_dict(cfg: ModelConfig, torch_dtype: str) -> dict[str, Any]:
+  """config.json contents for `cfg` (Qwen2 when qkv_bias, else Llama)."""
+  mt = "qwen2" if cfg.qkv_bias else "llama"
+  rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+  if cfg.rope_scaling is not None:
+    rope = dict(cfg.rope_scaling_dict, rope_theta=cfg.rope_theta)
+  out = {
+      "architectures": [SUPPORTED[mt]], "model_type": mt, "hidden_act": "silu",
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+      "intermediate_size": cfg.intermediate_size,
+      "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+      "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+      "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+      "max_position_embeddings": cfg.max_position, "rope_parameters": rope,
+      "rope_theta": cfg.rope_theta, "dtype": torch_dtype, "torch_dtype": torch_dtype,
+      "initializer_range": 0.02, "use_cache": True,
+  }
+  if mt == "qwen2":
+    out.update(use_sliding_window=False, sliding_window=None,
+               max_window_layers=cfg.num_layers)
+  else:
+    out.update(attention_bias=False, mlp_bias=False)
+    if cfg.rope_scaling is not None:
+      out["rope_scaling"] = cfg.rope_scaling_dict
+  return out
+
+
+def to_hf(model: Transformer, cfg: ModelConfig, out_dir: str, *,
+          dtype: str | None = None, max_shard_bytes: int = 4 << 30) -> list[str]:
+  """Writes config.json + safetensors (sharded with an index past max_shard_bytes).
+
+  Arrays are gathered to host one parameter at a time. Returns the written files.
+  """
+  os.makedirs(out_dir, exist_ok=True)
+  np_dtype = np.dtype(ml_dtypes.bfloat16 if (dtype or cfg.param_dtype) == "bfloat16"
+                      else (dtype or cfg.param_dtype))
+  pure = nnx.to_pure_dict(nnx.state(model))
+  flat = {"embed": pure["embed"], "final_norm": pure["final_norm"], **pure["layers"]}
+  if "lm_head" in pure:
+    flat["lm_head"] = pure["lm_head"]
+  shards, cur, size = [], {}, 0
+  for name, arr in flat.items():
+    host = np.asarray(jax.device_get(arr)).astype(np_dtype)
+    names, transpose, stacked = _hf_names(name, cfg.num_layers)
+    parts = list(host) if stacked else [host]
+    for n, p in zip(names, parts):
+      p = np.ascontiguousarray(p.T if transpose else p)
+      if cur and size + p.nbytes > max_shard_bytes:
+        shards.append(cur)
+        cur, size = {}, 0
+      cur[n], size = p, size + p.nbytes
+  shards.append(cur)
+  files = []
+  if len(shards) == 1:
+    files.append(os.path.join(out_dir, "model.safetensors"))
+    write_safetensors(files[0], shards[0])
+  else:
+    weight_map = {}
+    for i, sh in enumerate(shards):
+      fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+      write_safetensors(os.path.join(out_dir, fn), sh)
+      files.append(os.path.join(out_dir, fn))
+      weight_map.update({n: fn for n in sh})
+    total = sum(a.nbytes for sh in shards for a in sh.values())
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
+                indent=2)
+  torch_dtype = {"float32": "float32", "bfloat16": "bfloat16",
+                 "float16": "float16"}[str(np_dtype)]
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump(hf_config_dict(cfg, torch_dtype), f, indent=2)
+  return files
