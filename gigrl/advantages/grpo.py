@@ -140,7 +140,8 @@ def normalise(x: jax.Array, stats: GroupStats, *, eps: float,
       ``"zero"`` = advantage 0 for a group with one valid member.
 
   Returns:
-    f32 advantages shaped like ``x`` (not yet masked).
+    f32 advantages shaped like ``x`` (not yet masked); a zero-variance group
+    gives 0 even with ``eps = 0``.
 
   Raises:
     ValueError: unknown ``singleton``.
@@ -154,7 +155,8 @@ def normalise(x: jax.Array, stats: GroupStats, *, eps: float,
     std = jnp.where(single, 1.0, std)
   adv = x - mean
   if norm_by_std:
-    adv = adv / (std + eps)
+    denom = std + eps       # 0 only for a zero-variance group with eps = 0
+    adv = jnp.where(denom > 0, adv / jnp.where(denom > 0, denom, 1.0), 0.0)
   if singleton == "zero":
     adv = jnp.where(single, 0.0, adv)
   return adv
