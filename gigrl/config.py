@@ -1,0 +1,153 @@
+"""The run config: one ml_collections ConfigDict with a section per stage.
+
+Sections: ``data``, ``model``, ``rollout``, ``search``, ``advantage``, ``train``, ``checkpoint``
+and a top-level ``seed``. Each stage's module owns its section's defaults and validation; this
+module composes them (``base_config``) and validates the whole (``validate``). Config files in
+``configs/`` start from ``base_config()`` and override fields.
+"""
+from __future__ import annotations
+
+import ml_collections
+
+from gigrl import advantages
+from gigrl import models
+from gigrl import search
+from gigrl.config_utils import ConfigError, check_choice, check_range, get_field
+from gigrl.data import pool as pool_lib
+
+
+def data_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.train_sources = "hotpotqa,2wikimultihopqa,musique,iirc"   # bundled data_source names
+  c.questions_file = ""        # a user's Search-R1 jsonl instead of the bundled sets
+  c.eval_percent = 10          # fixed hash split; bamboogle is always eval
+  c.max_train_questions = 0    # 0 = all
+  c.tfds_dir = ""              # "" = <workdir>/tfds
+  c.tokenizer = "bundled"      # 'bundled' | path to .model | HF tokenizer dir
+  c.prompts_per_step = 8       # P (after recycling: the number of trained groups)
+  c.group_size = 4             # G rollouts per prompt
+  c.pool = pool_lib.pool_default_config()
+  return c
+
+
+def rollout_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.engine = "host_loop"       # host_loop | callback
+  c.max_turns = 4
+  c.max_new_tokens = 64        # per turn
+  c.max_obs_tokens = 128
+  c.max_prompt_tokens = 256
+  c.temperature = 1.0
+  c.top_p = 1.0
+  c.top_k = 0
+  c.greedy = False
+  return c
+
+
+def train_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.num_steps = 100            # RL steps
+  c.learning_rate = 1e-6
+  c.warmup_steps = 0
+  c.weight_decay = 0.01
+  c.b1, c.b2 = 0.9, 0.999
+  c.grad_clip = 1.0
+  c.kl_coef = 0.001
+  c.kl_type = "low_var_kl"
+  c.clip_ratio_low = 0.2
+  c.clip_ratio_high = 0.2
+  c.clip_ratio_c = 3.0
+  c.loss_agg_mode = "token-mean"
+  c.entropy_coeff = 0.0
+  c.sft_steps = 0              # supervised warm-start steps before RL
+  c.sft_learning_rate = 1e-3
+  c.sft_batch_size = 16
+  c.sft_questions = 0          # 0 = all training questions
+  c.sft_only_answer_in_obs = False
+  c.log_every = 1
+  c.sample_every = 5           # write readable trajectories every N RL steps
+  c.eval_every = 0             # 0 = no periodic eval
+  c.eval_questions = 32
+  return c
+
+
+def checkpoint_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.every_steps = 10
+  c.keep = 3
+  c.async_save = True
+  return c
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """All sections with their defaults (a full-size run's settings)."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.data = data_config()
+  c.model = models.default_config()
+  c.rollout = rollout_config()
+  c.search = search.default_config()
+  c.advantage = advantages.default_config()
+  c.train = train_config()
+  c.checkpoint = checkpoint_config()
+  return c
+
+
+def validate(cfg: ml_collections.ConfigDict) -> None:
+  """Validates every section.
+
+  Raises:
+    ConfigError: naming the first bad field, its value and what is allowed.
+  """
+  for section in ("data", "model", "rollout", "search", "advantage", "train", "checkpoint"):
+    get_field(cfg, section)
+  check_range(cfg, "seed", 0, integer=True)
+  _validate_data(cfg)
+  _validate_rollout(cfg)
+  _validate_train(cfg)
+  check_range(cfg, "checkpoint.every_steps", 1, integer=True)
+  check_range(cfg, "checkpoint.keep", 1, integer=True)
+  models.validate(cfg.model)
+  search.validate(cfg.search)
+  advantages.validate(cfg.advantage)
+  pool_lib.validate_pool_config(cfg.data.pool)
+
+
+def _validate_data(cfg):
+  check_range(cfg, "data.eval_percent", 0, 100, integer=True)
+  check_range(cfg, "data.max_train_questions", 0, integer=True)
+  check_range(cfg, "data.prompts_per_step", 1, integer=True)
+  check_range(cfg, "data.group_size", 1, integer=True)
+  if not cfg.data.questions_file and not cfg.data.train_sources.strip():
+    raise ConfigError("data.train_sources", cfg.data.train_sources,
+                      "a comma-separated list of bundled sets, or set data.questions_file")
+
+
+def _validate_rollout(cfg):
+  check_choice(cfg, "rollout.engine", ("host_loop", "callback"))
+  check_range(cfg, "rollout.max_turns", 0, integer=True)
+  for f in ("max_new_tokens", "max_obs_tokens", "max_prompt_tokens"):
+    check_range(cfg, f"rollout.{f}", 1, integer=True)
+  check_range(cfg, "rollout.temperature", 0.0, lo_open=True)
+  check_range(cfg, "rollout.top_p", 0.0, 1.0, lo_open=True)
+  check_range(cfg, "rollout.top_k", 0, integer=True)
+
+
+def _validate_train(cfg):
+  check_range(cfg, "train.num_steps", 0, integer=True)
+  check_range(cfg, "train.learning_rate", 0.0, lo_open=True)
+  check_range(cfg, "train.sft_learning_rate", 0.0, lo_open=True)
+  check_range(cfg, "train.warmup_steps", 0, integer=True)
+  check_range(cfg, "train.grad_clip", 0.0, lo_open=True)
+  check_range(cfg, "train.kl_coef", 0.0)
+  check_choice(cfg, "train.kl_type", ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"))
+  check_range(cfg, "train.clip_ratio_low", 0.0, 1.0, lo_open=True)
+  check_range(cfg, "train.clip_ratio_high", 0.0, lo_open=True)
+  check_range(cfg, "train.clip_ratio_c", 1.0, lo_open=True)
+  check_choice(cfg, "train.loss_agg_mode", ("token-mean", "seq-mean-token-sum",
+                                            "seq-mean-token-mean", "seq-mean-token-sum-norm"))
+  check_range(cfg, "train.sft_steps", 0, integer=True)
+  check_range(cfg, "train.sft_batch_size", 1, integer=True)
+  check_range(cfg, "train.log_every", 1, integer=True)
+  check_range(cfg, "train.sample_every", 1, integer=True)
+  check_range(cfg, "train.eval_every", 0, integer=True)

@@ -1,0 +1,187 @@
+"""Host-driven multi-turn rollout engine (``rollout.engine = host_loop``).
+
+Each turn is one jitted ``decode`` (a ``lax.while_loop`` over the KV cache) that stops every row
+at ``</search>``, ``</answer>``, EOS or its token budget; the host then parses actions, calls the
+retriever once for all the turn's queries, and feeds the observations back with one jitted
+``extend``. Protocol: Search-R1 ``search_r1/llm_agent/generation.py`` (SEARCH_AGENTS.md §1.2):
+``max_turns`` turns with search, then one final turn in which a search gets no observation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from gigrl.models import sampler as sampler_lib
+from gigrl.models import transformer as tfm
+from gigrl.rollout import protocol
+from gigrl.rollout import trajectory as traj_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSettings:
+  """Python-valued rollout options (from the ``rollout`` config section)."""
+  max_turns: int = 4
+  max_new_tokens: int = 64        # per turn
+  max_obs_tokens: int = 128
+  max_prompt_tokens: int = 256
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  greedy: bool = False
+  topk_docs: int = 3
+
+  @property
+  def obs_width(self) -> int:
+    return self.max_obs_tokens
+
+  @property
+  def seq_len(self) -> int:
+    """Tokens a trajectory can hold: prompt + (turns+1) generations + turns observations."""
+    return (self.max_prompt_tokens + (self.max_turns + 1) * self.max_new_tokens
+            + self.max_turns * self.obs_width)
+
+
+def settings_from_config(cfg_rollout: Any, topk_docs: int) -> RolloutSettings:
+  return RolloutSettings(
+      max_turns=int(cfg_rollout.max_turns), max_new_tokens=int(cfg_rollout.max_new_tokens),
+      max_obs_tokens=int(cfg_rollout.max_obs_tokens),
+      max_prompt_tokens=int(cfg_rollout.max_prompt_tokens),
+      temperature=float(cfg_rollout.temperature), top_p=float(cfg_rollout.top_p),
+      top_k=int(cfg_rollout.top_k), greedy=bool(cfg_rollout.greedy), topk_docs=int(topk_docs))
+
+
+def stop_sequences(tokenizer) -> np.ndarray:
+  """i32[K, 1]: ids of ``</search>``, ``</answer>`` and EOS (single-token stops).
+
+  Raises:
+    ValueError: a tag is not a single token in this tokenizer.
+  """
+  ids = []
+  for tag in (protocol.SEARCH_END, protocol.ANSWER_END):
+    enc = tokenizer.encode(tag)
+    if len(enc) != 1:
+      raise ValueError(f"stop tag {tag!r} is {len(enc)} tokens in this tokenizer; "
+                       "add it as a special token")
+    ids.append(enc[0])
+  ids.append(tokenizer.eos_id)
+  return np.array(ids, np.int32)[:, None]
+
+
+def encode_prompts(tokenizer, questions: Sequence[str], max_prompt_tokens: int
+                   ) -> list[list[int]]:
+  """Search-R1 prompts (chat template applied), one token list per question.
+
+  Raises:
+    ValueError: a prompt is longer than ``max_prompt_tokens`` (names the question).
+  """
+  out = []
+  for q in questions:
+    ids = tokenizer.encode(tokenizer.apply_chat_template(protocol.make_prompt(q)))
+    if len(ids) > max_prompt_tokens:
+      raise ValueError(f"prompt of question {q[:60]!r} has {len(ids)} tokens > "
+                       f"rollout.max_prompt_tokens={max_prompt_tokens}")
+    out.append(ids)
+  return out
+
+
+def _pad(rows: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  toks = np.full((len(rows), width), pad_id, np.int32)
+  lens = np.zeros((len(rows),), np.int32)
+  for i, r in enumerate(rows):
+    toks[i, :len(r)], lens[i] = r, len(r)
+  return toks, lens
+
+
+class HostLoopEngine:
+  """Runs batches of Search-R1 rollouts with a host loop over turns."""
+
+  def __init__(self, model_cfg, graphdef, tokenizer, retriever, settings: RolloutSettings):
+    self.model_cfg, self.graphdef = model_cfg, graphdef
+    self.tok, self.retriever, self.s = tokenizer, retriever, settings
+    self.stops = stop_sequences(tokenizer)
+    self.invalid_ids = traj_lib.invalid_observation_ids(tokenizer)
+    if len(self.invalid_ids) > settings.obs_width:
+      raise ValueError(f"rollout.max_obs_tokens={settings.max_obs_tokens} is smaller than the "
+                       f"invalid-action message ({len(self.invalid_ids)} tokens)")
+
+  def run(self, state, questions: Sequence[str], rng: jax.Array
+          ) -> tuple[traj_lib.TrajectoryBatch, dict[str, float]]:
+    """Rolls out one trajectory per question (repeat questions for groups).
+
+    Args:
+      state: the policy's ``nnx.State`` (parameters).
+      questions: B question strings.
+      rng: PRNG key; the rollout is deterministic given it.
+    Returns:
+      (batch, metrics) with ``metrics`` = decode/search seconds and token counts.
+    """
+    s, b = self.s, len(questions)
+    builders = [traj_lib.TrajectoryBuilder() for _ in range(b)]
+    prompts = encode_prompts(self.tok, questions, s.max_prompt_tokens)
+    for tb, ids, q in zip(builders, prompts, questions):
+      tb.add_prompt(ids, anchor=q)
+    cache = tfm.init_cache(self.model_cfg, b, s.seq_len + 1)
+    toks, lens = _pad(prompts, s.max_prompt_tokens, self.tok.pad_id)
+    logits = np.zeros((b, self.model_cfg.vocab_size), np.float32)
+    logits, cache = sampler_lib.extend_last(self.graphdef, state, cache, toks, lens, logits)
+    active = np.ones((b,), bool)
+    t_decode = t_search = 0.0
+    for turn in range(s.max_turns + 1):
+      rng, key = jax.random.split(rng)
+      t0 = time.perf_counter()
+      out = sampler_lib.decode(
+          self.graphdef, state, cache, logits, key, active,
+          np.full((b,), s.max_new_tokens, np.int32), max_new_tokens=s.max_new_tokens,
+          stop_sequences=self.stops, temperature=s.temperature, top_p=s.top_p,
+          top_k=s.top_k, greedy=s.greedy)
+      cache, logits = out.cache, out.next_logits
+      gen_tokens, gen_lens = np.asarray(out.tokens), np.asarray(out.lengths)
+      t_decode += time.perf_counter() - t0
+      obs, t_s = self._step(builders, active, gen_tokens, gen_lens, turn)
+      t_search += t_s
+      if not active.any():
+        break
+      obs_toks, obs_lens = _pad(obs, s.obs_width, self.tok.pad_id)
+      logits, cache = sampler_lib.extend_last(self.graphdef, state, cache, obs_toks, obs_lens,
+                                              logits)
+    batch = traj_lib.collate(builders, s.seq_len, self.tok.pad_id)
+    metrics = {"time/decode_s": t_decode, "time/search_s": t_search,
+               "rollout/generated_tokens": float(batch.num_generated_tokens)}
+    return batch, metrics
+
+  def _step(self, builders, active, gen_tokens, gen_lens, turn):
+    """Records one turn, decides each row's next observation; updates ``active`` in place."""
+    s = self.s
+    obs: list[list[int]] = [[] for _ in builders]
+    queries, query_rows = [], []
+    for i, tb in enumerate(builders):
+      if not active[i]:
+        continue
+      ids = gen_tokens[i, :gen_lens[i]].tolist()
+      text = self.tok.decode(ids)
+      tb.add_generation(ids, text)
+      kind, payload = protocol.parse_action(text)
+      if kind == "answer":
+        tb.answer_turn, active[i] = turn, False
+      elif turn == s.max_turns:       # final turn: no more observations
+        active[i] = False
+      elif kind == "search":
+        tb.search_calls += 1
+        queries.append(payload)
+        query_rows.append(i)
+      else:
+        obs[i] = self.invalid_ids
+        tb.add_observation(obs[i], anchor=protocol.INVALID_ACTION_MSG.strip())
+    t0 = time.perf_counter()
+    if queries:
+      results = self.retriever.search(queries, s.topk_docs)
+      for i, passages in zip(query_rows, results):
+        ids, anchor = traj_lib.observation_ids(self.tok, [p.contents for p in passages],
+                                               s.max_obs_tokens)
+        obs[i] = ids
+        builders[i].add_observation(ids, anchor=anchor)
+    return obs, time.perf_counter() - t0

@@ -1,0 +1,131 @@
+"""Trajectory batches: token buffers, loss masks and per-step records.
+
+A trajectory is the token stream that the policy's KV cache holds: the prompt, then for each
+turn the generated tokens (loss mask 1) and the observation (loss mask 0). SFT demonstrations and
+RL rollouts are both built through :class:`TrajectoryBuilder`, so the two see the same tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from gigrl.rollout import protocol
+
+
+@dataclasses.dataclass
+class TrajectoryBuilder:
+  """Accumulates one trajectory segment by segment (host side)."""
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  loss_mask: list[int] = dataclasses.field(default_factory=list)
+  step_ids: list[int] = dataclasses.field(default_factory=list)
+  generated_text: list[str] = dataclasses.field(default_factory=list)
+  anchors: list[str] = dataclasses.field(default_factory=list)
+  action_valid: list[bool] = dataclasses.field(default_factory=list)
+  search_calls: int = 0
+  answer_turn: int = -1      # turn that produced </answer>, -1 if none
+
+  def add_prompt(self, ids: Sequence[int], anchor: str) -> None:
+    self._add(ids, 0, -1)
+    self.anchors.append(anchor)
+
+  def add_generation(self, ids: Sequence[int], text: str) -> int:
+    """Adds one turn's generated tokens; returns the turn index."""
+    turn = len(self.generated_text)
+    self._add(ids, 1, turn)
+    self.generated_text.append(text)
+    self.action_valid.append(protocol.parse_action(text)[0] != "invalid")
+    return turn
+
+  def add_observation(self, ids: Sequence[int], anchor: str) -> None:
+    """Adds an observation (loss mask 0); ``anchor`` is the next step's anchor state."""
+    self._add(ids, 0, -1)
+    self.anchors.append(anchor)
+
+  def _add(self, ids: Sequence[int], mask: int, step: int) -> None:
+    self.tokens.extend(int(i) for i in ids)
+    self.loss_mask.extend([mask] * len(ids))
+    self.step_ids.extend([step] * len(ids))
+
+  @property
+  def num_steps(self) -> int:
+    return len(self.generated_text)
+
+
+@dataclasses.dataclass
+class TrajectoryBatch:
+  """B = P·G trajectories, right-padded to S tokens (host numpy arrays).
+
+  Attributes:
+    tokens: i32[B, S]; pad id beyond each row's length.
+    loss_mask: f32[B, S]; 1 on generated tokens only (prompt, observations, padding are 0).
+    step_ids: i32[B, S]; turn index of each generated token, -1 elsewhere.
+    lengths: i32[B]; number of valid tokens per row.
+    search_calls: i32[B]; number of ``<search>`` actions issued (the default stratum key).
+    num_steps: i32[B]; number of generated turns.
+    generated_text: per row, the text of each generated turn.
+    anchors: per row, the anchor observation of each step (question, then retrieved text).
+    action_valid: per row, whether each turn's action parsed as search/answer.
+  """
+  tokens: np.ndarray
+  loss_mask: np.ndarray
+  step_ids: np.ndarray
+  lengths: np.ndarray
+  search_calls: np.ndarray
+  num_steps: np.ndarray
+  generated_text: list[list[str]]
+  anchors: list[list[str]]
+  action_valid: list[list[bool]]
+
+  @property
+  def num_generated_tokens(self) -> int:
+    return int(self.loss_mask.sum())
+
+
+def collate(builders: Sequence[TrajectoryBuilder], seq_len: int, pad_id: int) -> TrajectoryBatch:
+  """Right-pads builders into a :class:`TrajectoryBatch` of width ``seq_len``.
+
+  Raises:
+    ValueError: a trajectory is longer than ``seq_len``.
+  """
+  b = len(builders)
+  tokens = np.full((b, seq_len), pad_id, np.int32)
+  mask = np.zeros((b, seq_len), np.float32)
+  steps = np.full((b, seq_len), -1, np.int32)
+  lengths = np.zeros((b,), np.int32)
+  for i, tb in enumerate(builders):
+    n = len(tb.tokens)
+    if n > seq_len:
+      raise ValueError(f"trajectory {i} has {n} tokens > seq_len {seq_len}")
+    tokens[i, :n], mask[i, :n], steps[i, :n], lengths[i] = tb.tokens, tb.loss_mask, tb.step_ids, n
+  return TrajectoryBatch(
+      tokens=tokens, loss_mask=mask, step_ids=steps, lengths=lengths,
+      search_calls=np.array([tb.search_calls for tb in builders], np.int32),
+      num_steps=np.array([tb.num_steps for tb in builders], np.int32),
+      generated_text=[list(tb.generated_text) for tb in builders],
+      anchors=[list(tb.anchors) for tb in builders],
+      action_valid=[list(tb.action_valid) for tb in builders])
+
+
+def observation_ids(tokenizer, passages_contents: Sequence[str], max_obs_tokens: int
+                    ) -> tuple[list[int], str]:
+  """Token ids of a search observation, truncated to ``max_obs_tokens``; and its anchor text.
+
+  The passages are truncated, not the wrapper: ``\\n\\n<information>`` and
+  ``</information>\\n\\n`` are always kept, so the model always sees a closed block
+  (Search-R1 cuts the tail of the whole observation, tags included; see docs/architecture.md).
+
+  Returns:
+    (ids, anchor) where anchor is the raw retrieved text (the GiGPO anchor state).
+  """
+  passages = protocol.format_passages(passages_contents).strip()
+  head = tokenizer.encode("\n\n<information>")
+  tail = tokenizer.encode("</information>\n\n")
+  body = tokenizer.encode(passages)[:max(0, max_obs_tokens - len(head) - len(tail))]
+  return head + body + tail, passages
+
+
+def invalid_observation_ids(tokenizer) -> list[int]:
+  """Token ids of Search-R1's invalid-action message."""
+  return tokenizer.encode(protocol.INVALID_ACTION_MSG)

@@ -1,0 +1,71 @@
+"""Config: composition, validation errors naming field/value/allowed, CLI behaviour."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gigrl import config as config_lib
+from gigrl.config_utils import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_base_config_is_valid_and_has_all_sections():
+  cfg = config_lib.base_config()
+  config_lib.validate(cfg)
+  for section in ("data", "model", "rollout", "search", "advantage", "train", "checkpoint"):
+    assert section in cfg
+  assert "seed" in cfg
+
+
+@pytest.mark.parametrize("field,value,allowed", [
+    ("advantage.outcome", "ppo", "one of"),
+    ("advantage.stratified.alpha", 1.5, "<= 1"),
+    ("rollout.max_turns", -1, ">= 0"),
+    ("rollout.engine", "vllm", "one of"),
+    ("rollout.top_p", 0.0, "> 0"),
+    ("train.loss_agg_mode", "mean", "one of"),
+    ("train.kl_type", "k9", "one of"),
+    ("train.clip_ratio_c", 1.0, "> 1"),
+    ("data.group_size", 0, ">= 1"),
+    ("data.pool.rule", "epochs", "one of"),
+    ("search.backend", "faiss", "one of"),
+    ("search.topk", 0, ">= 1"),
+    ("model.preset", "gpt5", "one of"),
+    ("checkpoint.keep", 0, ">= 1"),
+])
+def test_bad_value_names_field_value_and_allowed(field, value, allowed):
+  cfg = config_lib.base_config()
+  node = cfg
+  *parents, leaf = field.split(".")
+  for p in parents:
+    node = node[p]
+  node[leaf] = value
+  with pytest.raises(ConfigError) as e:
+    config_lib.validate(cfg)
+  assert e.value.field == field
+  assert repr(value) in str(e.value) and allowed in str(e.value)
+
+
+def test_smoke_config_is_valid():
+  sys.path.insert(0, ROOT)
+  from configs import smoke  # pylint: disable=import-outside-toplevel
+  config_lib.validate(smoke.get_config())
+
+
+def test_cli_rejects_bad_value_with_exit_2(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "gigrl.train", "--config", os.path.join(ROOT, "configs/smoke.py"),
+       "--workdir", str(tmp_path), "--config.advantage.outcome=ppo"],
+      capture_output=True, text=True, timeout=120, cwd=ROOT)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "advantage.outcome" in proc.stderr and "'ppo'" in proc.stderr
+
+
+def test_cli_rejects_unknown_field(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "gigrl.train", "--config", os.path.join(ROOT, "configs/smoke.py"),
+       "--workdir", str(tmp_path), "--config.train.num_stepz=3"],
+      capture_output=True, text=True, timeout=120, cwd=ROOT)
+  assert proc.returncode != 0 and "num_stepz" in proc.stderr
