@@ -147,8 +147,13 @@ def cache_shardings(cfg: ModelConfig, mesh: Mesh, batch: int, max_len: int) -> K
 
 
 def shard_state(state: Any, mesh: Mesh, preset: str) -> Any:
-  """Places every array of `state` on its preset sharding (device_put)."""
-  return jax.device_put(state, param_shardings(state, mesh, preset))
+  """Copies every array of `state` onto its preset sharding.
+
+  A jitted identity with `out_shardings` rather than `device_put`: in jax 0.10.2
+  `device_put(x, replicated, may_alias=False)` still aliases device 0's buffer, so
+  donating the result to a step would delete the caller's `state` arrays.
+  """
+  return jax.jit(lambda s: s, out_shardings=param_shardings(state, mesh, preset))(state)
 
 
 def init_sharded(cfg: ModelConfig, mesh: Mesh, preset: str, seed: int = 0):
