@@ -95,6 +95,14 @@ class GigpoTest(parameterized.TestCase):
       row_valid = batch[1][:, :, None] & batch[3]
       np.testing.assert_array_equal(got[0][~row_valid], 0.0)
 
+  def test_arbitrary_anchor_keys_take_the_sort_path(self):
+    # ids outside [0, G*T) (e.g. raw hashes) must group exactly the same way.
+    batch = list(random_batch(6))
+    dense = gigpo.gigpo_advantages(*batch)[0]
+    batch[4] = (batch[4] * 1000003 - 7).astype(np.int32)
+    np.testing.assert_allclose(gigpo.gigpo_advantages(*batch)[0], dense,
+                               rtol=1e-6, atol=1e-7)
+
   def test_no_action_valid_means_no_penalty(self):
     em, valid, step_r, step_v, ids, act = random_batch(5)
     a = gigpo.gigpo_advantages(em, valid, step_r, step_v, ids, None,

