@@ -24,7 +24,7 @@ def _reference(g, st, tokens, targets):
   return lp, -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 10, 64])
+@pytest.mark.parametrize("chunk", [3, 64])   # 3 does not divide S = 10
 def test_values_match_unchunked(setup, chunk):
   g, st, tokens, targets = setup
   lp, ent = jax.jit(lambda s: token_logprobs(g, s, tokens, targets,

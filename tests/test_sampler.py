@@ -11,6 +11,8 @@ from gigrl.models.sampler import filter_logits
 CFG = PRESETS["tiny"].replace(vocab_size=64, hidden_size=64, intermediate_size=128,
                               head_dim=16)
 N = 6
+CACHE = 16   # one cache length everywhere: compiled functions are reused
+GEN = dict(max_new_tokens=N, cache_len=CACHE)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,7 @@ def _expected_len(tokens, stops, budget):
 def test_greedy_equals_argmax_of_full_forward(split, prompts):
   g, st = split
   toks, lens = prompts
-  out = generate(g, st, toks, lens, jax.random.key(0), max_new_tokens=N, greedy=True)
+  out = generate(g, st, toks, lens, jax.random.key(0), **GEN, greedy=True)
   model = nnx.merge(g, st)
   for r in range(3):
     ref = _greedy_reference(model, toks[r, :lens[r]], N)
@@ -73,8 +75,8 @@ def test_left_padded_prompts_match_right_padded(split, prompts):
   g, st = split
   toks, lens = prompts
   left = np.stack([np.roll(toks[r], 5 - lens[r]) for r in range(3)])
-  a = generate(g, st, toks, lens, jax.random.key(0), max_new_tokens=N, greedy=True)
-  b = generate(g, st, left, lens, jax.random.key(0), max_new_tokens=N, greedy=True,
+  a = generate(g, st, toks, lens, jax.random.key(0), **GEN, greedy=True)
+  b = generate(g, st, left, lens, jax.random.key(0), **GEN, greedy=True,
                left_padded=True)
   np.testing.assert_array_equal(a.tokens, b.tokens)
 
@@ -82,26 +84,26 @@ def test_left_padded_prompts_match_right_padded(split, prompts):
 def test_sampling_is_deterministic_per_key(split, prompts):
   g, st = split
   toks, lens = prompts
-  kw = dict(max_new_tokens=N, temperature=1.5, top_p=0.95, top_k=20)
+  kw = dict(GEN, temperature=1.5, top_p=0.95, top_k=20)
   a = generate(g, st, toks, lens, jax.random.key(7), **kw)
   b = generate(g, st, toks, lens, jax.random.key(7), **kw)
   c = generate(g, st, toks, lens, jax.random.key(8), **kw)
   np.testing.assert_array_equal(a.tokens, b.tokens)
   assert not np.array_equal(a.tokens, c.tokens)
   # top_k=1 sampling is greedy.
-  d = generate(g, st, toks, lens, jax.random.key(9), max_new_tokens=N, top_k=1)
-  e = generate(g, st, toks, lens, jax.random.key(0), max_new_tokens=N, greedy=True)
+  d = generate(g, st, toks, lens, jax.random.key(9), **GEN, top_k=1)
+  e = generate(g, st, toks, lens, jax.random.key(0), **GEN, greedy=True)
   np.testing.assert_array_equal(d.tokens, e.tokens)
 
 
 def test_stop_sequences_and_budgets(split, prompts):
   g, st = split
   toks, lens = prompts
-  free = generate(g, st, toks, lens, jax.random.key(0), max_new_tokens=N, greedy=True)
+  free = generate(g, st, toks, lens, jax.random.key(0), **GEN, greedy=True)
   t = np.asarray(free.tokens)
   stops = [[int(t[0, 2])], [int(t[1, 1]), int(t[1, 2])]]
   budget = [N, N, 2]
-  out = generate(g, st, toks, lens, jax.random.key(0), max_new_tokens=N, greedy=True,
+  out = generate(g, st, toks, lens, jax.random.key(0), **GEN, greedy=True,
                  stop_sequences=stops, budget=jnp.array(budget))
   assert out.stopped[0] and out.stopped[1]
   for r in range(3):
@@ -117,10 +119,10 @@ def test_stop_sequences_and_budgets(split, prompts):
 def test_stop_sequence_array_form_and_no_prompt_crossing(split, prompts):
   g, st = split
   toks, lens = prompts
-  free = generate(g, st, toks, lens, jax.random.key(0), max_new_tokens=N, greedy=True)
+  free = generate(g, st, toks, lens, jax.random.key(0), **GEN, greedy=True)
   # [last prompt token, first generated]: must NOT match across the prompt boundary.
   stops = np.array([[-1, int(toks[0, 4]), int(free.tokens[0, 0])]])
-  out = generate(g, st, toks, lens, jax.random.key(0), max_new_tokens=N, greedy=True,
+  out = generate(g, st, toks, lens, jax.random.key(0), **GEN, greedy=True,
                  stop_sequences=stops)
   repeated = any(free.tokens[0, i] == toks[0, 4] and free.tokens[0, i + 1] ==
                  free.tokens[0, 0] for i in range(N - 1))
@@ -132,20 +134,21 @@ def test_decode_continues_after_inserted_tokens(split, prompts):
   g, st = split
   toks, lens = prompts
   model = nnx.merge(g, st)
-  cache = init_cache(CFG, 3, 32)
+  cache = init_cache(CFG, 3, CACHE)
   logits, cache = extend_last(g, st, cache, toks, lens, jnp.zeros((3, 64)))
   out = decode(g, st, cache, logits, jax.random.key(0), jnp.array([True, True, False]),
-               jnp.array([3, 2, 5]), max_new_tokens=4, greedy=True)
+               jnp.array([3, 2, 5]), max_new_tokens=N, greedy=True)
   np.testing.assert_array_equal(out.lengths, [3, 2, 0])
   obs = np.array([[11, 12], [13, 0], [0, 0]], np.int32)
   obs_len = np.array([2, 1, 0], np.int32)
   logits, cache = extend_last(g, st, out.cache, obs, obs_len, out.next_logits)
   out2 = decode(g, st, cache, logits, jax.random.key(1), jnp.ones(3, bool),
-                jnp.full((3,), 2), max_new_tokens=2, greedy=True)
+                jnp.full((3,), 2), max_new_tokens=N, greedy=True)
   for r in range(3):
     seq = (list(toks[r, :lens[r]]) + list(out.tokens[r, :out.lengths[r]]) +
            list(obs[r, :obs_len[r]]))
-    np.testing.assert_array_equal(out2.tokens[r], _greedy_reference(model, seq, 2))
+    np.testing.assert_array_equal(out2.tokens[r, :2], _greedy_reference(model, seq, 2))
+  np.testing.assert_array_equal(out2.lengths, [2, 2, 2])
 
 
 def test_filter_logits_top_p_and_top_k():
