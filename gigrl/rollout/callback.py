@@ -1,0 +1,455 @@
+"""One-program multi-turn rollout engine (``rollout.engine = callback``).
+
+The whole Search-R1 rollout of a batch is one ``jax.jit``-compiled program (compiled once per
+batch shape): prefill the prompts, then a single ``lax.while_loop`` over decode steps. Every step
+each unfinished row samples one token and feeds it through ``extend``. A row's turn ends at
+``</search>``, ``</answer>``, EOS or after ``max_new_tokens`` tokens. In a step where at least one
+row ended a turn, the program makes one ``jax.experimental.io_callback`` (``ordered=False``) for
+all those rows together. The host function (:meth:`CallbackEngine._host_turn`) then:
+
+  * decodes and parses each turn (:mod:`gigrl.rollout.protocol`);
+  * calls the retriever once for all the rows' queries;
+  * returns fixed-shape int32 observations (``trajectory.observation_ids``, the invalid-action
+    message, or nothing on the final turn / after an answer) and a done flag per row.
+
+The program prefills these observations into the rows' KV cache with ``extend`` and goes on.
+Rows do not wait for each other: a row starts its next turn in the step after its observation
+is inserted.
+
+The protocol and outputs are those of :class:`gigrl.rollout.host_loop.HostLoopEngine` (Search-R1
+``search_r1/llm_agent/generation.py``; SEARCH_AGENTS.md §1.2-1.3). Token buffers, loss mask and
+step ids are written inside the program at the cache slots (a trajectory's tokens are exactly
+what its KV cache holds). Texts, anchors, action validity and search counts are recorded on the
+host, keyed by the global row ids that the program passes to the callback.
+
+Sharding: the program runs under ``jax.shard_map`` with the batch split over *every* axis of the
+mesh (default: a 1-D ``'data'`` mesh over all devices), so each device (on a pod, each host)
+searches only for its own rows, the per-device callbacks run concurrently, and the per-shard
+loops exit independently. Parameters are **replicated** on every device for this engine (the
+jit all-gathers sharded params); use the host loop for models that need tensor parallelism.
+
+Differences from the host loop:
+  * With sampling (``greedy=False``) the random stream differs: one key per step, folded with
+    the shard index, instead of one key per turn. Greedy rollouts are identical.
+  * Each step that ends a turn runs an observation ``extend`` of width ``max_obs_tokens`` for
+    the whole local batch (rows without an observation pass length 0). The host loop runs at
+    most ``max_turns`` of those per batch.
+  * A retriever (or tokenizer) exception on the host is not raised through the callback.
+    The host marks every row done, the program ends within one turn, and ``run`` raises
+    :class:`CallbackRolloutError` chained to the original exception. This avoids relying on
+    backend behaviour for exceptions in callbacks (see jax-ml/jax #6621 for old TPU hangs).
+  * Single process only. On a multi-host pod, each process would record only its own rows'
+    texts, and an all-gather of the host records is not implemented.
+
+References: Search-R1 ``generation.py``; JAX ``jax.experimental.io_callback`` and
+``jax.shard_map`` docs; ``shared/notes/API_FACTS.md`` (b).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import threading
+import time
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import io_callback
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from gigrl.models import sampler as sampler_lib
+from gigrl.models import transformer as tfm
+from gigrl.rollout import host_loop
+from gigrl.rollout import protocol
+from gigrl.rollout import trajectory as traj_lib
+
+RolloutSettings = host_loop.RolloutSettings
+DATA_AXIS = "data"
+
+
+class CallbackRolloutError(RuntimeError):
+  """The host side of a callback rollout failed (e.g. the retriever raised).
+
+  ``__cause__`` is the original exception.
+  """
+
+
+# --------------------------------------------------------------------------- host records
+
+
+@dataclasses.dataclass
+class _RowRecord:
+  """Host-side part of one trajectory (the token buffers live in the program)."""
+  anchors: list[str]
+  generated_text: list[str] = dataclasses.field(default_factory=list)
+  action_valid: list[bool] = dataclasses.field(default_factory=list)
+  search_calls: int = 0
+  answer_turn: int = -1
+
+
+@dataclasses.dataclass
+class _RunState:
+  """Everything the host callbacks of one ``run`` share (callbacks run concurrently)."""
+  rows: list[_RowRecord]
+  lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+  error: BaseException | None = None
+  error_where: str = ""
+  callbacks: int = 0
+  search_calls: int = 0
+  search_spans: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+  callback_spans: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+
+
+def union_seconds(spans: Sequence[tuple[float, float]]) -> float:
+  """Length of the union of [start, end) intervals (concurrent callbacks overlap)."""
+  total, end = 0.0, -math.inf
+  for a, b in sorted(spans):
+    if b <= end:
+      continue
+    total += b - max(a, end)
+    end = b
+  return total
+
+
+def default_mesh() -> Mesh:
+  """1-D ``'data'`` mesh over all devices (``AxisType.Auto``)."""
+  return jax.make_mesh((jax.device_count(),), (DATA_AXIS,),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _pad_rows(rows: Sequence[Sequence[int]], n: int, width: int, pad_id: int
+              ) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pads token lists into (i32[n, width], i32[n]); rows past len(rows) are empty."""
+  toks = np.full((n, width), pad_id, np.int32)
+  lens = np.zeros((n,), np.int32)
+  for i, r in enumerate(rows):
+    toks[i, :len(r)], lens[i] = r, len(r)
+  return toks, lens
+
+
+# --------------------------------------------------------------------------- device program
+
+
+class _Carry(NamedTuple):
+  i: jax.Array            # i32[] decode step
+  cache: tfm.KVCache
+  logits: jax.Array       # f32[b, V] next-token logits
+  key: jax.Array
+  tokens: jax.Array       # i32[b, S] trajectory tokens (= cache contents)
+  mask: jax.Array         # f32[b, S] loss mask
+  step_ids: jax.Array     # i32[b, S]
+  turn: jax.Array         # i32[b] current turn of each row
+  turn_start: jax.Array   # i32[b] slot of the current turn's first token
+  turn_len: jax.Array     # i32[b] tokens generated in the current turn
+  window: jax.Array       # i32[b, L] last generated tokens, for stop matching
+  done: jax.Array         # bool[b]
+
+
+class CallbackEngine:
+  """Runs batches of Search-R1 rollouts as one jitted program with host search callbacks.
+
+  Same constructor and ``run`` as :class:`gigrl.rollout.host_loop.HostLoopEngine`, plus an
+  optional ``mesh`` (default :func:`default_mesh`). The batch is split over all axes of the
+  mesh; params are replicated. One ``run`` at a time per engine is the intended use, but
+  concurrent runs are kept apart by a run id passed into the program.
+  """
+
+  def __init__(self, model_cfg, graphdef, tokenizer, retriever, settings: RolloutSettings,
+               *, mesh: Mesh | None = None):
+    """Raises:
+      ValueError: a stop tag is not one token, or the invalid-action message is longer than
+        ``settings.max_obs_tokens``.
+    """
+    self.model_cfg, self.graphdef = model_cfg, graphdef
+    self.tok, self.retriever, self.s = tokenizer, retriever, settings
+    self.stops = host_loop.stop_sequences(tokenizer)
+    self.invalid_ids = traj_lib.invalid_observation_ids(tokenizer)
+    if len(self.invalid_ids) > settings.obs_width:
+      raise ValueError(f"rollout.max_obs_tokens={settings.max_obs_tokens} is smaller than the "
+                       f"invalid-action message ({len(self.invalid_ids)} tokens)")
+    self.mesh = mesh if mesh is not None else default_mesh()
+    self._batch_spec = P(tuple(self.mesh.axis_names))
+    self._runs: dict[int, _RunState] = {}
+    self._run_ids = itertools.count()
+    self._registry_lock = threading.Lock()
+    b = self._batch_spec
+    self._program = jax.jit(jax.shard_map(
+        self._shard_program, mesh=self.mesh,
+        in_specs=(P(), b, b, b, b, P(), P()), out_specs=(b, b, b, b, b),
+        check_vma=False))
+
+  @property
+  def num_shards(self) -> int:
+    return int(self.mesh.devices.size)
+
+  # ------------------------------------------------------------------ public
+
+  def run(self, state, questions: Sequence[str], rng: jax.Array
+          ) -> tuple[traj_lib.TrajectoryBatch, dict[str, float]]:
+    """Rolls out one trajectory per question (repeat questions for groups).
+
+    The batch is padded with empty, already-finished rows up to a multiple of the number of
+    shards; the padding is dropped from the result.
+
+    Args:
+      state: the policy's ``nnx.State`` (parameters; replicated for the program).
+      questions: B question strings.
+      rng: PRNG key; the rollout is deterministic given it and the mesh size.
+    Returns:
+      (batch, metrics): a :class:`TrajectoryBatch` of width ``settings.seq_len``, and
+      ``time/decode_s`` (program wall time outside host callbacks), ``time/search_s``
+      (wall time with at least one search in progress: retriever + observation tokenisation),
+      ``time/callback_s``, ``time/total_s``, ``rollout/generated_tokens``,
+      ``rollout/callbacks``, ``rollout/retriever_calls``, ``rollout/decode_steps``.
+    Raises:
+      ValueError: a prompt is longer than ``max_prompt_tokens``.
+      CallbackRolloutError: the host callback failed (retriever or tokenizer error).
+    """
+    s, b = self.s, len(questions)
+    prompts = host_loop.encode_prompts(self.tok, questions, s.max_prompt_tokens)
+    n = self.num_shards
+    b_pad = max(n, -(-b // n) * n)
+    toks, lens = _pad_rows(prompts, b_pad, s.max_prompt_tokens, self.tok.pad_id)
+    live = np.arange(b_pad) < b
+    run_id, run = self._register([_RowRecord(anchors=[q]) for q in questions])
+    try:
+      t0 = time.perf_counter()
+      out = self._program(state, toks, lens, np.arange(b_pad, dtype=np.int32), live, rng,
+                          np.int32(run_id))
+      tokens, mask, step_ids, lengths, steps = jax.device_get(out)
+      total = time.perf_counter() - t0
+    finally:
+      with self._registry_lock:
+        self._runs.pop(run_id, None)
+    if run.error is not None:
+      raise CallbackRolloutError(
+          f"callback rollout failed on the host ({run.error_where}): "
+          f"{type(run.error).__name__}: {run.error}") from run.error
+    batch = self._collate(run.rows, tokens[:b], mask[:b], step_ids[:b], lengths[:b])
+    callback_s = union_seconds(run.callback_spans)
+    metrics = {"time/decode_s": total - callback_s,
+               "time/search_s": union_seconds(run.search_spans),
+               "time/callback_s": callback_s, "time/total_s": total,
+               "rollout/generated_tokens": float(batch.num_generated_tokens),
+               "rollout/callbacks": float(run.callbacks),
+               "rollout/retriever_calls": float(run.search_calls),
+               "rollout/decode_steps": float(np.max(steps))}
+    return batch, metrics
+
+  # ------------------------------------------------------------------ host side
+
+  def _register(self, rows: list[_RowRecord]) -> tuple[int, _RunState]:
+    run = _RunState(rows=rows)
+    with self._registry_lock:
+      run_id = next(self._run_ids) % (2**31 - 1)
+      self._runs[run_id] = run
+    return run_id, run
+
+  def _collate(self, rows, tokens, mask, step_ids, lengths) -> traj_lib.TrajectoryBatch:
+    return traj_lib.TrajectoryBatch(
+        tokens=np.asarray(tokens, np.int32), loss_mask=np.asarray(mask, np.float32),
+        step_ids=np.asarray(step_ids, np.int32), lengths=np.asarray(lengths, np.int32),
+        search_calls=np.array([r.search_calls for r in rows], np.int32),
+        num_steps=np.array([len(r.generated_text) for r in rows], np.int32),
+        generated_text=[list(r.generated_text) for r in rows],
+        anchors=[list(r.anchors) for r in rows],
+        action_valid=[list(r.action_valid) for r in rows])
+
+  def _host_turn(self, run_id, row_ids, ended, turn, gen, gen_len):
+    """Host side of one turn boundary on one shard (called from the program).
+
+    Args (jax Arrays, converted with ``np.asarray``):
+      run_id: i32[] key of the run's records.
+      row_ids: i32[b] global row index of each local row.
+      ended: i32[b] 1 for rows whose turn ended in this step.
+      turn: i32[b] index of the turn that ended.
+      gen: i32[b, N] the turn's generated tokens (stop token included), pad after gen_len.
+      gen_len: i32[b].
+    Returns:
+      (obs i32[b, W], obs_len i32[b], done i32[b]). ``done`` is 1 for rows that answered or
+      finished their final turn; on a host error it is 1 for every row (the error is kept
+      for ``run`` to raise).
+    """
+    t0 = time.perf_counter()
+    b, w = np.shape(row_ids)[0], self.s.obs_width
+    obs = np.full((b, w), self.tok.pad_id, np.int32)
+    obs_len = np.zeros((b,), np.int32)
+    done = np.zeros((b,), np.int32)
+    run = self._runs.get(int(np.asarray(run_id)))
+    if run is None or run.error is not None:
+      done[:] = 1
+      return obs, obs_len, done
+    try:
+      self._turn_boundary(run, np.asarray(row_ids), np.asarray(ended), np.asarray(turn),
+                          np.asarray(gen), np.asarray(gen_len), obs, obs_len, done)
+    except Exception as e:  # pylint: disable=broad-except
+      with run.lock:
+        if run.error is None:
+          run.error, run.error_where = e, f"rows {np.asarray(row_ids).tolist()}"
+      obs_len[:], done[:] = 0, 1
+    with run.lock:
+      run.callbacks += 1
+      run.callback_spans.append((t0, time.perf_counter()))
+    return obs, obs_len, done
+
+  def _turn_boundary(self, run, row_ids, ended, turn, gen, gen_len, obs, obs_len, done):
+    """Records the ended turns, runs the searches, fills ``obs``/``obs_len``/``done``."""
+    s = self.s
+    queries, query_rows = [], []
+    for j in np.flatnonzero(ended):
+      rec, t = run.rows[int(row_ids[j])], int(turn[j])
+      text = self.tok.decode(gen[j, :gen_len[j]].tolist())
+      kind, payload = protocol.parse_action(text)
+      rec.generated_text.append(text)
+      rec.action_valid.append(kind != "invalid")
+      if kind == "answer":
+        rec.answer_turn, done[j] = t, 1
+      elif t >= s.max_turns:       # final turn: no more observations
+        done[j] = 1
+      elif kind == "search":
+        rec.search_calls += 1
+        queries.append(payload)
+        query_rows.append(j)
+      else:
+        self._put(obs, obs_len, j, self.invalid_ids)
+        rec.anchors.append(protocol.INVALID_ACTION_MSG.strip())
+    if not queries:
+      return
+    t0 = time.perf_counter()
+    results = self.retriever.search(queries, s.topk_docs)
+    if len(results) != len(queries):
+      raise ValueError(f"retriever returned {len(results)} result lists for "
+                       f"{len(queries)} queries")
+    for j, passages in zip(query_rows, results):
+      ids, anchor = traj_lib.observation_ids(self.tok, [p.contents for p in passages],
+                                             s.max_obs_tokens)
+      self._put(obs, obs_len, j, ids)
+      run.rows[int(row_ids[j])].anchors.append(anchor)
+    with run.lock:
+      run.search_calls += 1
+      run.search_spans.append((t0, time.perf_counter()))
+
+  @staticmethod
+  def _put(obs: np.ndarray, obs_len: np.ndarray, j: int, ids: Sequence[int]) -> None:
+    ids = list(ids)[:obs.shape[1]]
+    obs[j, :len(ids)], obs_len[j] = ids, len(ids)
+
+  # ------------------------------------------------------------------ device side
+
+  def _next_tokens(self, logits: jax.Array, key: jax.Array, row_ids: jax.Array,
+                   turn: jax.Array, turn_len: jax.Array) -> jax.Array:
+    """The policy's choice: f32[b, V] logits -> i32[b] (tests override this to script)."""
+    del row_ids, turn, turn_len
+    s = self.s
+    return sampler_lib.sample_tokens(logits, key, jnp.float32(s.temperature), top_k=s.top_k,
+                                     top_p=s.top_p, greedy=s.greedy)
+
+  def _shard_program(self, state, prompts, prompt_lens, row_ids, live, rng, run_id):
+    """Per-shard rollout: prefill, then the decode/turn loop.
+
+    Args (local shard):
+      state: replicated params.
+      prompts: i32[b, P] right-padded prompt tokens; prompt_lens: i32[b].
+      row_ids: i32[b] global row ids; live: bool[b] False for batch padding.
+      rng: PRNG key (folded with the shard index); run_id: i32[].
+    Returns:
+      tokens i32[b, S], loss_mask f32[b, S], step_ids i32[b, S], lengths i32[b],
+      decode steps i32[1].
+    """
+    s, cfg = self.s, self.model_cfg
+    model = nnx.merge(self.graphdef, state)
+    b, p = prompts.shape
+    seq = s.seq_len
+    shard = jax.lax.axis_index(tuple(self.mesh.axis_names))
+    cache = tfm.init_cache(cfg, b, seq + 1)
+    logits = jnp.zeros((b, cfg.vocab_size), jnp.float32)
+    # Reuses the sampler's extend so the numerics equal the host loop's.
+    logits, cache = sampler_lib._extend_last(  # pylint: disable=protected-access
+        model, cache, prompts, prompt_lens, logits)
+    valid = jnp.arange(p)[None] < prompt_lens[:, None]
+    tokens = jnp.full((b, seq), self.tok.pad_id, jnp.int32)
+    tokens = tokens.at[:, :p].set(jnp.where(valid, prompts, self.tok.pad_id)[:, :seq])
+    c0 = _Carry(
+        i=jnp.int32(0), cache=cache, logits=logits, key=jax.random.fold_in(rng, shard),
+        tokens=tokens, mask=jnp.zeros((b, seq), jnp.float32),
+        step_ids=jnp.full((b, seq), -1, jnp.int32), turn=jnp.zeros((b,), jnp.int32),
+        turn_start=cache.pos, turn_len=jnp.zeros((b,), jnp.int32),
+        window=jnp.full((b, self.stops.shape[1]), -2, jnp.int32), done=~live)
+    max_steps = (s.max_turns + 1) * s.max_new_tokens
+    c = jax.lax.while_loop(
+        lambda c: (c.i < max_steps) & jnp.any(~c.done),
+        lambda c: self._step(model, c, row_ids, run_id), c0)
+    return c.tokens, c.mask, c.step_ids, c.cache.pos, c.i[None]
+
+  def _step(self, model, c: _Carry, row_ids, run_id) -> _Carry:
+    """One decode step for every unfinished row, then the turn boundary if any row ended."""
+    s = self.s
+    b, seq = c.tokens.shape
+    key, sub = jax.random.split(c.key)
+    act = ~c.done
+    tok = self._next_tokens(c.logits, sub, row_ids, c.turn, c.turn_len)
+    tok = jnp.where(act, tok, sampler_lib.PAD_TOKEN).astype(jnp.int32)
+    rows = jnp.arange(b)
+    slot = jnp.where(act, c.cache.pos, seq)                    # out of range: dropped
+    window = jnp.where(act[:, None],
+                       jnp.concatenate([c.window[:, 1:], tok[:, None]], axis=1), c.window)
+    hit = act & sampler_lib._stop_hit(window, jnp.asarray(self.stops))  # pylint: disable=protected-access
+    logits, cache = sampler_lib._extend_last(  # pylint: disable=protected-access
+        model, c.cache, tok[:, None], act.astype(jnp.int32), c.logits)
+    turn_len = c.turn_len + act.astype(jnp.int32)
+    ended = act & (hit | (turn_len >= s.max_new_tokens) | (cache.pos >= cache.max_len))
+    c = c._replace(
+        i=c.i + 1, cache=cache, logits=logits, key=key,
+        tokens=c.tokens.at[rows, slot].set(tok, mode="drop"),
+        mask=c.mask.at[rows, slot].set(1.0, mode="drop"),
+        step_ids=c.step_ids.at[rows, slot].set(c.turn, mode="drop"),
+        turn_len=turn_len, window=window)
+    return jax.lax.cond(jnp.any(ended),
+                        lambda c: self._boundary(model, c, ended, row_ids, run_id),
+                        lambda c: c, c)
+
+  def _boundary(self, model, c: _Carry, ended, row_ids, run_id) -> _Carry:
+    """Host callback for the rows in ``ended``, then their observations go into the cache."""
+    s = self.s
+    b, seq = c.tokens.shape
+    n, w = s.max_new_tokens, s.obs_width
+    offs = jnp.arange(n)
+    idx = jnp.clip(c.turn_start[:, None] + offs[None], 0, seq - 1)
+    gen = jnp.where(offs[None] < c.turn_len[:, None],
+                    jnp.take_along_axis(c.tokens, idx, axis=1), self.tok.pad_id)
+    i32 = jnp.int32
+    obs, obs_len, host_done = io_callback(
+        self._host_turn,
+        (jax.ShapeDtypeStruct((b, w), i32), jax.ShapeDtypeStruct((b,), i32),
+         jax.ShapeDtypeStruct((b,), i32)),
+        run_id, row_ids, ended.astype(i32), c.turn, gen, c.turn_len, ordered=False)
+    obs_len = jnp.where(ended, jnp.clip(obs_len, 0, w), 0)
+    cols = c.cache.pos[:, None] + jnp.arange(w)[None]
+    cols = jnp.where(jnp.arange(w)[None] < obs_len[:, None], cols, seq)
+    tokens = c.tokens.at[jnp.arange(b)[:, None], cols].set(obs, mode="drop")
+    logits, cache = sampler_lib._extend_last(  # pylint: disable=protected-access
+        model, c.cache, obs, obs_len, c.logits)
+    return c._replace(
+        cache=cache, logits=logits, tokens=tokens,
+        turn=c.turn + ended.astype(i32),
+        turn_start=jnp.where(ended, cache.pos, c.turn_start),
+        turn_len=jnp.where(ended, 0, c.turn_len),
+        window=jnp.where(ended[:, None], -2, c.window),
+        done=c.done | (host_done > 0))
+
+
+def make_engine(kind: str, model_cfg, graphdef, tokenizer, retriever,
+                settings: RolloutSettings, **kw) -> Any:
+  """``rollout.engine`` dispatch: ``'host_loop'`` or ``'callback'``.
+
+  Raises:
+    ValueError: unknown ``kind``.
+  """
+  if kind == "host_loop":
+    return host_loop.HostLoopEngine(model_cfg, graphdef, tokenizer, retriever, settings)
+  if kind == "callback":
+    return CallbackEngine(model_cfg, graphdef, tokenizer, retriever, settings, **kw)
+  raise ValueError(f"rollout.engine={kind!r}; expected 'host_loop' or 'callback'")

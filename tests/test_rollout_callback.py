@@ -1,0 +1,263 @@
+"""CallbackEngine (one jitted program, io_callback search) against the host-loop engine.
+
+* Greedy decoding of a tiny random model, on 1 device and sharded over 8: the two engines give
+  the same TrajectoryBatch. The model is made "chatty" (the LM head only scores the Search-R1
+  tags, EOS and a few words; layer weights scaled up) so rows search, answer, act invalidly and
+  end turns at different steps.
+* A scripted policy (row, turn, position -> token) inside the program: the retriever is called
+  with the right queries, once per step in which turns end, and the outputs equal the host loop
+  driven by the same script.
+* A retriever that raises gives CallbackRolloutError, not a hang.
+"""
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gigrl.data import qa
+from gigrl.data import tokenizer as tok_lib
+from gigrl.models import PRESETS, Transformer
+from gigrl.models import sampler as sampler_lib
+from gigrl.rollout import callback
+from gigrl.rollout import host_loop
+from gigrl.rollout import protocol
+from gigrl.search.base import Passage
+
+SETTINGS = host_loop.RolloutSettings(max_turns=2, max_new_tokens=16, max_obs_tokens=64,
+                                     max_prompt_tokens=192, topk_docs=2, greedy=True)
+FIELDS = ("tokens", "loss_mask", "step_ids", "lengths", "search_calls", "num_steps")
+
+
+class FakeRetriever:
+  """Deterministic, thread-safe: k passages whose text names the query."""
+
+  def __init__(self):
+    self.calls, self._lock = [], threading.Lock()
+
+  def search(self, queries, topk):
+    with self._lock:
+      self.calls.append(list(queries))
+    return [[Passage(f"{q}-{i}", f'"T{i}"\nabout {q} number {i}', 1.0) for i in range(topk)]
+            for q in queries]
+
+
+class RaisingRetriever:
+  def search(self, queries, topk):
+    raise ConnectionError("boom: index unavailable")
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return tok_lib.SentencePieceTokenizer()
+
+
+@pytest.fixture(scope="module")
+def questions():
+  return [q.question for q in qa.load_bundled_questions()[:8]]
+
+
+@pytest.fixture(scope="module")
+def chatty_model(tok):
+  """(cfg, graphdef, state) of a random model whose greedy output uses the protocol tags."""
+  cfg = PRESETS["tiny"].replace(vocab_size=tok.vocab_size, hidden_size=64,
+                                intermediate_size=128, head_dim=16, tie_embeddings=False)
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  keep = [tok.token_id(t) for t in ("<search>", "</search>", "<answer>", "</answer>",
+                                    "<think>")] + [tok.eos_id]
+  keep += [i for w in (" paris", " river", " john", " the", " king", " born", " city", " war")
+           for i in tok.encode(w)]
+  cols = np.zeros((cfg.vocab_size,), bool)
+  cols[keep] = True
+  model.lm_head[...] = jnp.asarray(np.where(cols[None], np.asarray(model.lm_head[...]) * 10, 0),
+                                   jnp.float32)
+  for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+    p = getattr(model.layers, name)
+    p[...] = p[...] * 5
+  graphdef, state = nnx.split(model)
+  return cfg, graphdef, state
+
+
+@pytest.fixture(scope="module")
+def host_reference(chatty_model, tok, questions):
+  cfg, graphdef, state = chatty_model
+  retriever = FakeRetriever()
+  engine = host_loop.HostLoopEngine(cfg, graphdef, tok, retriever, SETTINGS)
+  batch, _ = engine.run(state, questions, jax.random.key(0))
+  return batch, retriever
+
+
+def _mesh(n):
+  return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def assert_same_batch(a, b):
+  for f in FIELDS:
+    np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
+  assert a.generated_text == b.generated_text
+  assert a.anchors == b.anchors
+  assert a.action_valid == b.action_valid
+
+
+@pytest.mark.parametrize("n_dev", [1, 8])
+def test_greedy_equals_host_loop(chatty_model, tok, questions, host_reference, n_dev):
+  cfg, graphdef, state = chatty_model
+  ref, ref_retriever = host_reference
+  # The reference must exercise the protocol, else the comparison is weak.
+  assert ref.search_calls.sum() >= 2 and (ref.num_steps < SETTINGS.max_turns + 1).any()
+  assert not all(all(v) for v in ref.action_valid)
+  retriever = FakeRetriever()
+  engine = callback.CallbackEngine(cfg, graphdef, tok, retriever, SETTINGS, mesh=_mesh(n_dev))
+  batch, metrics = engine.run(state, questions, jax.random.key(0))
+  assert_same_batch(batch, ref)
+  assert sorted(q for c in retriever.calls for q in c) == sorted(
+      q for c in ref_retriever.calls for q in c)
+  assert metrics["rollout/generated_tokens"] == ref.loss_mask.sum()
+  assert metrics["rollout/callbacks"] >= n_dev
+
+
+# --------------------------------------------------------------------------- scripted policy
+
+FILLER = " la"
+SCRIPT = [
+    ["<search> beta </search>", "<answer> A </answer>"],                  # search, answer
+    ["<answer> B </answer>"],                                              # answers at once
+    ["rambling", "<search> gamma </search>", "<search> delta </search>"],  # invalid (budget),
+    # search, then a final-turn search that gets no observation
+    ["<search> eta </search>", "<search> epsilon </search>", "<answer> C </answer>"],
+    [None, "<answer> D </answer>"],                                         # EOS: empty turn
+    ["<think> long thinking here </think><search> zeta query </search>", "<answer> E </answer>"],
+    ["</answer>", "<search> eta </search>", "bad"],
+    ["<think>x</think><answer> F </answer>"],
+]
+
+
+def _script_array(tok, n_turns, n):
+  """i32[B, T, N]: each turn's tokens padded with the filler (a turn without a stop fills its
+  budget, as real decoding would)."""
+  fill = tok.encode(FILLER)[0]
+  arr = np.full((len(SCRIPT), n_turns, n), fill, np.int32)
+  for r, turns in enumerate(SCRIPT):
+    for t, text in enumerate(turns):
+      ids = [tok.eos_id] if text is None else tok.encode(text)
+      arr[r, t, :len(ids)] = ids
+  return arr
+
+
+def _turn_tokens(row, stops, n):
+  """What decode produces from a scripted row: up to and including the first stop."""
+  for k, t in enumerate(row[:n]):
+    if t in stops:
+      return row[:k + 1]
+  return row[:n]
+
+
+class ScriptedCallbackEngine(callback.CallbackEngine):
+  """The policy inside the program reads script[row, turn, position]."""
+
+  def __init__(self, *args, script, **kw):
+    super().__init__(*args, **kw)
+    self.script = jnp.asarray(script)
+
+  def _next_tokens(self, logits, key, row_ids, turn, turn_len):
+    t = jnp.minimum(turn, self.script.shape[1] - 1)
+    k = jnp.minimum(turn_len, self.script.shape[2] - 1)
+    return self.script[row_ids, t, k]
+
+
+class ScriptedHostPolicy:
+  """Stands in for sampler.decode / extend_last in the host loop, same script."""
+
+  def __init__(self, script, stops):
+    self.script, self.stops, self.turn = script, stops, 0
+
+  def extend_last(self, graphdef, state, cache, tokens, lengths, prev_logits):
+    return prev_logits, cache
+
+  def decode(self, graphdef, state, cache, logits, key, active, budget, *, max_new_tokens,
+             **kw):
+    b = self.script.shape[0]
+    toks = np.zeros((b, max_new_tokens), np.int32)
+    lens = np.zeros((b,), np.int32)
+    for i in range(b):
+      if active[i]:
+        ids = _turn_tokens(self.script[i, self.turn].tolist(), self.stops, max_new_tokens)
+        toks[i, :len(ids)], lens[i] = ids, len(ids)
+    self.turn += 1
+    return sampler_lib.DecodeOut(toks, np.zeros(toks.shape, np.float32), toks > 0, lens,
+                                 lens > 0, cache, logits)
+
+
+def _expected_calls(script, tok, stops, n):
+  """Per decode step (1 device), the search queries of the turns that end in it."""
+  by_step = {}
+  for r, turns in enumerate(SCRIPT):
+    step = 0
+    for t in range(SETTINGS.max_turns + 1):
+      ids = _turn_tokens(script[r, t].tolist(), stops, n)
+      step += len(ids)
+      kind, q = protocol.parse_action(tok.decode(ids))
+      if kind == "search" and t < SETTINGS.max_turns:
+        by_step.setdefault(step, []).append(q)
+      if kind == "answer" or t == SETTINGS.max_turns:
+        break
+  return [by_step[k] for k in sorted(by_step)]
+
+
+@pytest.fixture(scope="module")
+def scripted(chatty_model, tok):
+  cfg, graphdef, state = chatty_model
+  script = _script_array(tok, SETTINGS.max_turns + 1, SETTINGS.max_new_tokens)
+  engine = ScriptedCallbackEngine(cfg, graphdef, tok, FakeRetriever(), SETTINGS,
+                                  mesh=_mesh(1), script=script)
+  return engine, state, script
+
+
+def test_scripted_queries_batching_and_host_loop_equality(scripted, tok, monkeypatch):
+  engine, state, script = scripted
+  questions = [f"Who is {c}" for c in "ABCDEFGH"]
+  retriever = engine.retriever = FakeRetriever()
+  batch, metrics = engine.run(state, questions, jax.random.key(1))
+  stops = set(host_loop.stop_sequences(tok)[:, 0].tolist())
+  expected = _expected_calls(script, tok, stops, SETTINGS.max_new_tokens)
+  assert retriever.calls == expected
+  assert any(len(c) > 1 for c in expected)          # turns ending together share one call
+  assert metrics["rollout/retriever_calls"] == len(expected)
+  assert batch.search_calls.tolist() == [1, 0, 1, 2, 0, 1, 1, 0]
+  assert batch.num_steps.tolist() == [2, 1, 3, 3, 2, 2, 3, 1]
+  assert batch.anchors[2][1] == protocol.INVALID_ACTION_MSG.strip()
+  assert batch.anchors[0][1].startswith('Doc 1(Title: "T0") about beta')
+  # Same script through the host loop -> identical batch.
+  host_retriever = FakeRetriever()
+  with monkeypatch.context() as m:
+    policy = ScriptedHostPolicy(script, stops)
+    m.setattr(host_loop.sampler_lib, "extend_last", policy.extend_last)
+    m.setattr(host_loop.sampler_lib, "decode", policy.decode)
+    m.setattr(host_loop.tfm, "init_cache", lambda *a, **k: None)
+    ref, _ = host_loop.HostLoopEngine(engine.model_cfg, None, tok, host_retriever,
+                                      SETTINGS).run(None, questions, jax.random.key(1))
+  assert_same_batch(batch, ref)
+  assert sorted(sum(retriever.calls, [])) == sorted(sum(host_retriever.calls, []))
+
+
+def test_retriever_error_is_raised_not_hung(scripted):
+  engine, state, _ = scripted
+  engine.retriever = RaisingRetriever()
+  t0 = time.perf_counter()
+  with pytest.raises(callback.CallbackRolloutError, match="boom") as info:
+    engine.run(state, [f"q{i}" for i in range(8)], jax.random.key(0))
+  assert isinstance(info.value.__cause__, ConnectionError)
+  assert time.perf_counter() - t0 < 30
+  # The engine is usable again afterwards.
+  engine.retriever = FakeRetriever()
+  batch, _ = engine.run(state, [f"q{i}" for i in range(8)], jax.random.key(0))
+  assert batch.search_calls.sum() == 6
+
+
+def test_union_seconds():
+  assert callback.union_seconds([(0, 2), (1, 3), (5, 6)]) == 4
+  assert callback.union_seconds([]) == 0
