@@ -181,6 +181,8 @@ class AnchorTest(parameterized.TestCase):
     obs = [[rows[:6], rows[6:]]]
     ids = anchors.similarity_anchor_ids(obs, 0.85)[0].ravel()
     np.testing.assert_array_equal(ids, numpy_similarity(rows, 0.85))
+    np.testing.assert_array_equal(anchors.similarity_clusters(rows, 0.85),
+                                  numpy_similarity(rows, 0.85))
 
   def test_similarity_representative_is_first_member(self):
     # b is close to a, c is close to b but not to a: c opens a new cluster.

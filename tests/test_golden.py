@@ -179,8 +179,12 @@ def check_gigpo(case):
   obs = [[[None] * shape[2] for _ in range(shape[1])] for _ in range(shape[0])]
   for row, o in enumerate(inp["anchor_obs"]):
     obs[p[row]][g[row]][t[row]] = o
-  if prm["enable_similarity"]:
-    ids = anchors.similarity_anchor_ids(obs, prm["similarity_thresh"])
+  if prm["enable_similarity"]:          # verl-agent scans rows in batch order
+    ids = np.full(shape, -1, np.int32)
+    for q in range(shape[0]):
+      rows = np.flatnonzero(p == q)
+      ids[p[rows], g[rows], t[rows]] = anchors.similarity_clusters(
+          [inp["anchor_obs"][i] for i in rows], prm["similarity_thresh"])
   else:
     ids = anchors.exact_anchor_ids(obs)
   kw = dict(gamma=prm["gamma"], omega=prm["step_advantage_w"],

@@ -20,6 +20,7 @@ The device kernels only compare ids for equality within a prompt.
 from __future__ import annotations
 
 import difflib
+import functools
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -107,17 +108,46 @@ def similarity_anchor_ids(observations: Sequence[Sequence[Sequence[str]]],
   Raises:
     ValueError: threshold not in (0, 1).
   """
+  _check_threshold(threshold)
+  return _ids(observations, functools.partial(_join_cluster,
+                                              threshold=threshold))
+
+
+def _check_threshold(threshold: float) -> None:
   if not 0.0 < threshold < 1.0:
     raise ValueError(f"similarity threshold must be in (0, 1), got {threshold}")
 
-  def assign(reps, obs):
-    for cid, rep in enumerate(reps):
-      if difflib.SequenceMatcher(None, obs, rep).ratio() >= threshold:
-        return cid
-    reps.append(obs)
-    return len(reps) - 1
 
-  return _ids(observations, assign)
+def _join_cluster(reps: list, obs: str, threshold: float) -> int:
+  """Index of the first cluster whose representative is similar enough."""
+  for cid, rep in enumerate(reps):
+    if difflib.SequenceMatcher(None, obs, rep).ratio() >= threshold:
+      return cid
+  reps.append(obs)
+  return len(reps) - 1
+
+
+def similarity_clusters(rows: Sequence[str], threshold: float = 0.9
+                        ) -> list[int]:
+  """Greedy similarity clusters of one prompt's rows, in the given order.
+
+  Use this when rows are not trajectory-major (e.g. verl-agent batches after
+  ``_balance_batch``); :func:`similarity_anchor_ids` scans trajectory by
+  trajectory.
+
+  Args:
+    rows: the prompt's text observations in scan order.
+    threshold: as in :func:`similarity_anchor_ids`.
+
+  Returns:
+    Cluster id of each row (0.., in order of creation).
+
+  Raises:
+    ValueError: threshold not in (0, 1).
+  """
+  _check_threshold(threshold)
+  reps: list = []
+  return [_join_cluster(reps, obs, threshold) for obs in rows]
 
 
 def token_anchor_ids(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -141,7 +171,9 @@ def token_anchor_ids(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
   tokens = np.asarray(tokens)
   lengths = np.asarray(lengths)
   p_n, g_n, t_n, l_n = tokens.shape
-  tok = np.where(np.arange(l_n) < lengths[..., None], tokens, 0)
+  tok = tokens
+  if ((lengths >= 0) & (lengths < l_n)).any():   # skip masking full rows
+    tok = np.where(np.arange(l_n) < lengths[..., None], tokens, 0)
   coef = np.cumprod(np.full(l_n, 0x9E3779B97F4A7C15, np.uint64),
                     dtype=np.uint64)
   with np.errstate(over="ignore"):
