@@ -192,10 +192,12 @@ class AnchorTest(parameterized.TestCase):
     with self.assertRaises(ValueError):
       anchors.similarity_anchor_ids([[[a]]], 1.0)
 
-  def test_token_ids_partition_equals_exact(self):
+  @parameterized.parameters(False, True)       # masked rows / full rows
+  def test_token_ids_partition_equals_exact(self, full):
     rng = np.random.default_rng(1)
-    tok = rng.integers(0, 3, (3, 4, 5, 6))
-    lengths = rng.integers(1, 4, (3, 4, 5))
+    tok = rng.integers(0, 3, (3, 4, 5, 6 if not full else 2))
+    lengths = rng.integers(1, 4, (3, 4, 5)) if not full else np.full(
+        (3, 4, 5), 2)
     lengths[0, 0, 4] = -1                             # padded step
     got = anchors.token_anchor_ids(tok, lengths)
     obs = [[[None if lengths[p, g, t] < 0 else tuple(tok[p, g, t,
