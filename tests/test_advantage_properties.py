@@ -212,8 +212,7 @@ class CompositionTest(parameterized.TestCase):
   def test_stratified_gigpo_hadw_is_sum_times_phi(self):
     cfg = config("stratified", "gigpo", "hadw", variant="repo")
     x = make_inputs(4)
-    adv, _, m = jax.jit(functools.partial(adv_api.compute_advantages, cfg))(
-        x, adv_api.init_state(cfg))
+    adv, _, m = adv_api.make_advantage_fn(cfg)(x, adv_api.init_state(cfg))
     a_out = blend(x.rewards, x.valid, x.strata)
     _, _, a_s = jax.jit(functools.partial(
         gigpo.gigpo_advantages, gamma=cfg.gigpo_gamma, mode=cfg.gigpo_mode,

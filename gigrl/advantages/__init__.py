@@ -10,9 +10,11 @@ from gigrl.advantages.compose import AdvantageState
 from gigrl.advantages.compose import compute_advantages
 from gigrl.advantages.compose import default_config
 from gigrl.advantages.compose import init_state
+from gigrl.advantages.compose import make_advantage_fn
 from gigrl.advantages.compose import validate
 
 __all__ = [
     "AdvantageConfig", "AdvantageInputs", "AdvantageState",
-    "compute_advantages", "default_config", "init_state", "validate",
+    "compute_advantages", "default_config", "init_state", "make_advantage_fn",
+    "validate",
 ]

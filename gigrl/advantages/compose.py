@@ -20,14 +20,14 @@
 
 Use under jit with the config frozen into a static dataclass::
 
-  acfg = AdvantageConfig.from_config(cfg.advantage)
-  fn = jax.jit(functools.partial(compute_advantages, acfg))
+  fn = make_advantage_fn(cfg.advantage)   # = jax.jit(partial(compute_..., acfg))
   adv, state, metrics = fn(inputs, state)
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+import functools
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -299,3 +299,23 @@ def compute_advantages(cfg: Any, inputs: AdvantageInputs,
   n_groups = jnp.maximum(x.valid.any(-1).sum(), 1)
   metrics["zero_variance_frac"] = zv.sum() / n_groups
   return adv, new_state, metrics
+
+
+def make_advantage_fn(cfg: Any) -> Callable[
+    [AdvantageInputs, AdvantageState],
+    tuple[jax.Array, AdvantageState, dict[str, jax.Array]]]:
+  """Jitted ``(inputs, state) -> (advantages, new_state, metrics)``.
+
+  Args:
+    cfg: ``advantage`` ConfigDict or AdvantageConfig (validated and frozen
+      once, then a static part of the compiled function).
+
+  Returns:
+    ``jax.jit(functools.partial(compute_advantages, AdvantageConfig))``; it
+    recompiles for each new input shape.
+
+  Raises:
+    gigrl.config_utils.ConfigError: invalid config.
+  """
+  return jax.jit(functools.partial(compute_advantages,
+                                   AdvantageConfig.from_config(cfg)))
