@@ -103,15 +103,17 @@ def assert_same_batch(a, b):
   assert a.action_valid == b.action_valid
 
 
-@pytest.mark.parametrize("n_dev", [1, 8])
-def test_greedy_equals_host_loop(chatty_model, tok, questions, host_reference, n_dev):
+@pytest.mark.parametrize("n_dev,boundary", [(1, "turn"), (8, "turn"), (8, "step")])
+def test_greedy_equals_host_loop(chatty_model, tok, questions, host_reference, n_dev,
+                                 boundary):
   cfg, graphdef, state = chatty_model
   ref, ref_retriever = host_reference
   # The reference must exercise the protocol, else the comparison is weak.
   assert ref.search_calls.sum() >= 2 and (ref.num_steps < SETTINGS.max_turns + 1).any()
   assert not all(all(v) for v in ref.action_valid)
   retriever = FakeRetriever()
-  engine = callback.CallbackEngine(cfg, graphdef, tok, retriever, SETTINGS, mesh=_mesh(n_dev))
+  engine = callback.CallbackEngine(cfg, graphdef, tok, retriever, SETTINGS, mesh=_mesh(n_dev),
+                                   boundary=boundary)
   batch, metrics = engine.run(state, questions, jax.random.key(0))
   assert_same_batch(batch, ref)
   assert sorted(q for c in retriever.calls for q in c) == sorted(
@@ -213,7 +215,7 @@ def scripted(chatty_model, tok):
   cfg, graphdef, state = chatty_model
   script = _script_array(tok, SETTINGS.max_turns + 1, SETTINGS.max_new_tokens)
   engine = ScriptedCallbackEngine(cfg, graphdef, tok, FakeRetriever(), SETTINGS,
-                                  mesh=_mesh(1), script=script)
+                                  mesh=_mesh(1), boundary="step", script=script)
   return engine, state, script
 
 

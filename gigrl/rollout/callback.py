@@ -2,19 +2,24 @@
 
 The whole Search-R1 rollout of a batch is one ``jax.jit``-compiled program (compiled once per
 batch shape): prefill the prompts, then a single ``lax.while_loop`` over decode steps. Every step
-each unfinished row samples one token and feeds it through ``extend``. A row's turn ends at
-``</search>``, ``</answer>``, EOS or after ``max_new_tokens`` tokens. In a step where at least one
-row ended a turn, the program makes one ``jax.experimental.io_callback`` (``ordered=False``) for
-all those rows together. The host function (:meth:`CallbackEngine._host_turn`) then:
+each decoding row samples one token and feeds it through ``extend``. A row's turn ends at
+``</search>``, ``</answer>``, EOS or after ``max_new_tokens`` tokens. At a turn boundary the
+program makes one ``jax.experimental.io_callback`` (``ordered=False``) for all the rows whose turn
+has ended. The host function (:meth:`CallbackEngine._host_turn`) then:
 
   * decodes and parses each turn (:mod:`gigrl.rollout.protocol`);
   * calls the retriever once for all the rows' queries;
   * returns fixed-shape int32 observations (``trajectory.observation_ids``, the invalid-action
     message, or nothing on the final turn / after an answer) and a done flag per row.
 
-The program prefills these observations into the rows' KV cache with ``extend`` and goes on.
-Rows do not wait for each other: a row starts its next turn in the step after its observation
-is inserted.
+The program prefills these observations into the rows' KV cache with one ``extend`` and goes on.
+When the boundary is due is the ``boundary`` option:
+
+  * ``'turn'`` (default): once every unfinished row of the shard has ended its turn. Rows that
+    end early wait. This is the host loop's schedule, but each shard keeps its own pace.
+  * ``'step'``: in every step where some row ended a turn. Rows never wait, but each such step
+    pays an observation ``extend`` of width ``max_obs_tokens`` over the whole local batch,
+    about 100x a decode step on a CPU. ``benchmarks/rollout.py`` measures both.
 
 The protocol and outputs are those of :class:`gigrl.rollout.host_loop.HostLoopEngine` (Search-R1
 ``search_r1/llm_agent/generation.py``; SEARCH_AGENTS.md §1.2-1.3). Token buffers, loss mask and
@@ -31,9 +36,8 @@ jit all-gathers sharded params); use the host loop for models that need tensor p
 Differences from the host loop:
   * With sampling (``greedy=False``) the random stream differs: one key per step, folded with
     the shard index, instead of one key per turn. Greedy rollouts are identical.
-  * Each step that ends a turn runs an observation ``extend`` of width ``max_obs_tokens`` for
-    the whole local batch (rows without an observation pass length 0). The host loop runs at
-    most ``max_turns`` of those per batch.
+  * With ``boundary='step'``, a batch can run many more observation ``extend`` calls than the
+    host loop's ``max_turns`` (see above).
   * A retriever (or tokenizer) exception on the host is not raised through the callback.
     The host marks every row done, the program ends within one turn, and ``run`` raises
     :class:`CallbackRolloutError` chained to the original exception. This avoids relying on
@@ -145,6 +149,7 @@ class _Carry(NamedTuple):
   turn_start: jax.Array   # i32[b] slot of the current turn's first token
   turn_len: jax.Array     # i32[b] tokens generated in the current turn
   window: jax.Array       # i32[b, L] last generated tokens, for stop matching
+  waiting: jax.Array      # bool[b] turn ended, observation not yet inserted
   done: jax.Array         # bool[b]
 
 
@@ -158,11 +163,21 @@ class CallbackEngine:
   """
 
   def __init__(self, model_cfg, graphdef, tokenizer, retriever, settings: RolloutSettings,
-               *, mesh: Mesh | None = None):
-    """Raises:
-      ValueError: a stop tag is not one token, or the invalid-action message is longer than
-        ``settings.max_obs_tokens``.
+               *, mesh: Mesh | None = None, boundary: str = "turn"):
+    """Args beyond the host loop's:
+      mesh: devices to split the batch over (all axes); default :func:`default_mesh`.
+      boundary: when a shard runs the callback + observation ``extend``:
+        ``'turn'`` (default) once all its unfinished rows have ended their turn (rows that end
+        early wait; the host loop's schedule, but per shard), or ``'step'`` in every step in
+        which some row ended a turn (rows never wait, but every such step pays an
+        observation ``extend`` of width ``max_obs_tokens`` over the local batch).
+    Raises:
+      ValueError: a stop tag is not one token, the invalid-action message is longer than
+        ``settings.max_obs_tokens``, or an unknown ``boundary``.
     """
+    if boundary not in ("turn", "step"):
+      raise ValueError(f"boundary={boundary!r}; expected 'turn' or 'step'")
+    self.boundary = boundary
     self.model_cfg, self.graphdef = model_cfg, graphdef
     self.tok, self.retriever, self.s = tokenizer, retriever, settings
     self.stops = host_loop.stop_sequences(tokenizer)
@@ -377,7 +392,8 @@ class CallbackEngine:
         tokens=tokens, mask=jnp.zeros((b, seq), jnp.float32),
         step_ids=jnp.full((b, seq), -1, jnp.int32), turn=jnp.zeros((b,), jnp.int32),
         turn_start=cache.pos, turn_len=jnp.zeros((b,), jnp.int32),
-        window=jnp.full((b, self.stops.shape[1]), -2, jnp.int32), done=~live)
+        window=jnp.full((b, self.stops.shape[1]), -2, jnp.int32),
+        waiting=jnp.zeros((b,), bool), done=~live)
     max_steps = (s.max_turns + 1) * s.max_new_tokens
     c = jax.lax.while_loop(
         lambda c: (c.i < max_steps) & jnp.any(~c.done),
@@ -385,11 +401,11 @@ class CallbackEngine:
     return c.tokens, c.mask, c.step_ids, c.cache.pos, c.i[None]
 
   def _step(self, model, c: _Carry, row_ids, run_id) -> _Carry:
-    """One decode step for every unfinished row, then the turn boundary if any row ended."""
+    """One decode step for every decoding row, then the turn boundary if it is due."""
     s = self.s
     b, seq = c.tokens.shape
     key, sub = jax.random.split(c.key)
-    act = ~c.done
+    act = ~c.done & ~c.waiting
     tok = self._next_tokens(c.logits, sub, row_ids, c.turn, c.turn_len)
     tok = jnp.where(act, tok, sampler_lib.PAD_TOKEN).astype(jnp.int32)
     rows = jnp.arange(b)
@@ -406,13 +422,17 @@ class CallbackEngine:
         tokens=c.tokens.at[rows, slot].set(tok, mode="drop"),
         mask=c.mask.at[rows, slot].set(1.0, mode="drop"),
         step_ids=c.step_ids.at[rows, slot].set(c.turn, mode="drop"),
-        turn_len=turn_len, window=window)
-    return jax.lax.cond(jnp.any(ended),
-                        lambda c: self._boundary(model, c, ended, row_ids, run_id),
+        turn_len=turn_len, window=window, waiting=c.waiting | ended)
+    if self.boundary == "step":
+      due = jnp.any(ended)
+    else:
+      due = jnp.any(c.waiting) & ~jnp.any(~c.done & ~c.waiting)
+    return jax.lax.cond(due, lambda c: self._boundary(model, c, c.waiting, row_ids, run_id),
                         lambda c: c, c)
 
   def _boundary(self, model, c: _Carry, ended, row_ids, run_id) -> _Carry:
-    """Host callback for the rows in ``ended``, then their observations go into the cache."""
+    """Host callback for the rows in ``ended`` (bool[b]), then their observations go into the
+    cache and they start their next turn."""
     s = self.s
     b, seq = c.tokens.shape
     n, w = s.max_new_tokens, s.obs_width
@@ -438,7 +458,7 @@ class CallbackEngine:
         turn_start=jnp.where(ended, cache.pos, c.turn_start),
         turn_len=jnp.where(ended, 0, c.turn_len),
         window=jnp.where(ended[:, None], -2, c.window),
-        done=c.done | (host_done > 0))
+        waiting=jnp.zeros_like(c.waiting), done=c.done | (host_done > 0))
 
 
 def make_engine(kind: str, model_cfg, graphdef, tokenizer, retriever,
