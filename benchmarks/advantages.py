@@ -1,4 +1,4 @@
-"""Times the advantage estimators (jitted, after compilation) vs per-group numpy.
+"""Times the jitted advantage estimators against per-group numpy code.
 
 Usage: ``python benchmarks/advantages.py [--quick] [--reps N]``
 

@@ -37,7 +37,7 @@ gigpo_fn = jax.jit(functools.partial(gigpo.gigpo_advantages,
 
 
 def groups(valid, strata=None):
-  """Yields (p, member indices) of every group (or stratum) with >= 2 members."""
+  """Yields (p, member indices) of groups (or strata) with >= 2 members."""
   for p in range(P):
     keys = np.zeros(G, int) if strata is None else strata[p]
     for k in np.unique(keys[valid[p]]):

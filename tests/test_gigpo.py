@@ -108,7 +108,8 @@ class GigpoTest(parameterized.TestCase):
     a = gigpo.gigpo_advantages(em, valid, step_r, step_v, ids, None,
                                invalid_action_penalty_coef=0.5)[0]
     b = gigpo.gigpo_advantages(em, valid, step_r, step_v, ids,
-                               np.ones_like(act), invalid_action_penalty_coef=0.5)[0]
+                               np.ones_like(act),
+                               invalid_action_penalty_coef=0.5)[0]
     np.testing.assert_allclose(a, b)
 
   def test_discounted_returns_search(self):
@@ -207,7 +208,8 @@ class AnchorTest(parameterized.TestCase):
     self.assertEqual(got[0, 0, 4], -1)
     for p in range(3):
       a, b = got[p].ravel(), want[p].ravel()
-      np.testing.assert_array_equal(a[:, None] == a[None], b[:, None] == b[None])
+      np.testing.assert_array_equal(a[:, None] == a[None],
+                                    b[:, None] == b[None])
 
 
 if __name__ == "__main__":

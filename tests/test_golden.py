@@ -127,7 +127,8 @@ def check_stratified(case):
   for a in prm["alphas"]:
     cfg.stratified.alpha = float(a)
     x = _outcome_inputs(r, v, s)
-    got, _, metrics = adv_api.compute_advantages(cfg, x, adv_api.init_state(cfg))
+    got, _, metrics = adv_api.compute_advantages(cfg, x,
+                                                 adv_api.init_state(cfg))
     close(np.asarray(got)[pos][:, 0], out[f"A_blend[alpha={a}]"],
           f"compose alpha={a}")
     assert "strat/cross_stratum_bias" in metrics

@@ -1,4 +1,4 @@
-"""Stratified GRPO (SAN + blend) and its diagnostics vs a numpy re-derivation."""
+"""Stratified GRPO (SAN + blend) and its diagnostics vs numpy."""
 import functools
 
 from absl.testing import absltest, parameterized

@@ -20,7 +20,7 @@
 
 Use under jit with the config frozen into a static dataclass::
 
-  fn = make_advantage_fn(cfg.advantage)   # = jax.jit(partial(compute_..., acfg))
+  fn = make_advantage_fn(cfg.advantage)   # jit(partial(compute_advantages))
   adv, state, metrics = fn(inputs, state)
 """
 from __future__ import annotations

@@ -71,7 +71,7 @@ def discounted_returns(step_rewards: jax.Array, row_valid: jax.Array,
 def episode_advantages(scores: jax.Array, row_valid: jax.Array, *,
                        eps: float = 1e-6, norm_by_std: bool = True,
                        episode_stats: str = "cross_steps") -> jax.Array:
-  """Episode-level (macro) advantage per row, verl-agent ``episode_norm_reward``.
+  """Episode-level (macro) advantage per row (``episode_norm_reward``).
 
   Args:
     scores: f32[P, G, T] per-row episode score (trajectory reward minus the

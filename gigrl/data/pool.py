@@ -120,7 +120,8 @@ class QueryPool:
       u = self._rng.random(self.num_queries)
     u = np.asarray(u, np.float64)
     if u.shape != (self.num_queries,):
-      raise ValueError(f"u must have shape ({self.num_queries},), got {u.shape}")
+      raise ValueError(
+          f"u must have shape ({self.num_queries},), got {u.shape}")
     active = self.weights > 0
     keys = np.full(self.num_queries, -np.inf)
     keys[active] = u[active] ** (1.0 / self.weights[active])
