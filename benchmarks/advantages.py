@@ -9,7 +9,7 @@ then times:
 
 * ``gigrl``: ``compute_advantages`` under ``jax.jit`` with inputs already on
   the device; for GiGPO the host-side anchor hashing (``token_anchor_ids``)
-  and the transfer of the ids are included;
+  and the transfer of the ids are included (``gigpo (kernel)``: without);
 * ``numpy``: a straightforward per-group numpy/Python implementation of the
   same math (loops over prompts / strata / trajectories, dicts for anchors).
 
@@ -150,7 +150,7 @@ def gigrl_runner(name, b):
   cfg = adv_api.default_config()
   if name in ("stratified", "strat+gigpo+hadw"):
     cfg.outcome = "stratified"
-  if name in ("gigpo", "strat+gigpo+hadw"):
+  if name in ("gigpo", "gigpo (kernel)", "strat+gigpo+hadw"):
     cfg.step = "gigpo"
     cfg.gigpo.update(dict(gamma=GAMMA, omega=OMEGA,
                           invalid_action_penalty_coef=COEF))
@@ -162,7 +162,7 @@ def gigrl_runner(name, b):
   dev = {k: jax.device_put(b[k]) for k in ("rewards", "valid", "strata",
                                            "step_rewards", "step_valid",
                                            "action_valid")}
-  needs_anchors = cfg.step == "gigpo"
+  needs_anchors = name != "gigpo (kernel)" and cfg.step == "gigpo"
 
   def run():
     if needs_anchors:      # host-side hashing + transfer are part of the step
@@ -172,7 +172,8 @@ def gigrl_runner(name, b):
     out = fn(adv_api.AdvantageInputs(anchor_ids=ids, **dev), state)
     jax.block_until_ready(out)
 
-  zeros_ids = jax.device_put(np.zeros(b["step_valid"].shape, np.int32))
+  zeros_ids = jax.device_put(   # precomputed ids (kernel-only row)
+      anchors.token_anchor_ids(b["tokens"], b["obs_len"]))
   run()                    # compile
   return run
 
@@ -182,6 +183,7 @@ def numpy_runner(name, b):
   return {"grpo": lambda: np_grpo(b),
           "stratified": lambda: np_stratified(b),
           "gigpo": lambda: np_gigpo(b),
+          "gigpo (kernel)": lambda: np_gigpo(b),
           "grpo+hadw": lambda: np_hadw(b, state),
           "strat+gigpo+hadw": lambda: (np_stratified(b), np_gigpo(b),
                                        np_hadw(b, state))}[name]
@@ -196,7 +198,8 @@ def main():
   args = parser.parse_args()
   sizes = SIZES[:2] if args.quick else SIZES
   reps = args.reps or (5 if args.quick else 15)
-  names = ("grpo", "stratified", "gigpo", "grpo+hadw", "strat+gigpo+hadw")
+  names = ("grpo", "stratified", "gigpo", "gigpo (kernel)", "grpo+hadw",
+           "strat+gigpo+hadw")
   print(f"jax {jax.__version__} on {jax.devices()[0].platform} "
         f"({jax.device_count()} device(s)); median of {reps} runs, ms")
   header = f"{'estimator':<18}{'P x G x T':>14}{'gigrl':>10}{'numpy':>11}" \
