@@ -103,7 +103,7 @@ def assert_same_batch(a, b):
   assert a.action_valid == b.action_valid
 
 
-@pytest.mark.parametrize("n_dev,boundary", [(1, "turn"), (8, "turn"), (8, "step")])
+@pytest.mark.parametrize("n_dev,boundary", [(1, "turn"), (8, "turn"), (2, "step")])
 def test_greedy_equals_host_loop(chatty_model, tok, questions, host_reference, n_dev,
                                  boundary):
   cfg, graphdef, state = chatty_model

@@ -163,21 +163,25 @@ class CallbackEngine:
   """
 
   def __init__(self, model_cfg, graphdef, tokenizer, retriever, settings: RolloutSettings,
-               *, mesh: Mesh | None = None, boundary: str = "turn"):
+               *, mesh: Mesh | None = None, boundary: str = "turn", obs_chunk: int = 0):
     """Args beyond the host loop's:
       mesh: devices to split the batch over (all axes); default :func:`default_mesh`.
       boundary: when a shard runs the callback + observation ``extend``:
         ``'turn'`` (default) once all its unfinished rows have ended their turn (rows that end
         early wait; the host loop's schedule, but per shard), or ``'step'`` in every step in
         which some row ended a turn (rows never wait, but every such step pays an
-        observation ``extend`` of width ``max_obs_tokens`` over the local batch).
+        observation ``extend`` of width ``max_obs_tokens``).
+      obs_chunk: rows per observation ``extend`` (see :meth:`_insert`); 0 = auto: the whole
+        local batch for ``'turn'``, ceil(b/8) rows for ``'step'``.
     Raises:
       ValueError: a stop tag is not one token, the invalid-action message is longer than
         ``settings.max_obs_tokens``, or an unknown ``boundary``.
     """
     if boundary not in ("turn", "step"):
       raise ValueError(f"boundary={boundary!r}; expected 'turn' or 'step'")
-    self.boundary = boundary
+    if obs_chunk < 0:
+      raise ValueError(f"obs_chunk={obs_chunk} must be >= 0")
+    self.boundary, self.obs_chunk = boundary, int(obs_chunk)
     self.model_cfg, self.graphdef = model_cfg, graphdef
     self.tok, self.retriever, self.s = tokenizer, retriever, settings
     self.stops = host_loop.stop_sequences(tokenizer)
@@ -450,8 +454,7 @@ class CallbackEngine:
     cols = c.cache.pos[:, None] + jnp.arange(w)[None]
     cols = jnp.where(jnp.arange(w)[None] < obs_len[:, None], cols, seq)
     tokens = c.tokens.at[jnp.arange(b)[:, None], cols].set(obs, mode="drop")
-    logits, cache = sampler_lib._extend_last(  # pylint: disable=protected-access
-        model, c.cache, obs, obs_len, c.logits)
+    logits, cache = self._insert(model, c.cache, c.logits, obs, obs_len)
     return c._replace(
         cache=cache, logits=logits, tokens=tokens,
         turn=c.turn + ended.astype(i32),
@@ -459,6 +462,42 @@ class CallbackEngine:
         turn_len=jnp.where(ended, 0, c.turn_len),
         window=jnp.where(ended[:, None], -2, c.window),
         waiting=jnp.zeros_like(c.waiting), done=c.done | (host_done > 0))
+
+  def _insert(self, model, cache: tfm.KVCache, logits, obs, obs_len):
+    """Extends rows by their observations (obs i32[b, W], obs_len i32[b]; 0 = no change).
+
+    With ``obs_chunk`` m < b, only the rows with an observation are extended, m at a time: their
+    cache rows are gathered, extended and scattered back (a ``while_loop`` over chunks), so a
+    boundary with one observation costs one m-row extend, not a b-row one.
+    Returns (logits f32[b, V], cache).
+    """
+    b = obs.shape[0]
+    m = min(b, self.obs_chunk or (b if self.boundary == "turn" else max(1, -(-b // 8))))
+    if m >= b:
+      return sampler_lib._extend_last(  # pylint: disable=protected-access
+          model, cache, obs, obs_len, logits)
+    need = obs_len > 0
+    count = jnp.sum(need.astype(jnp.int32))
+    order = jnp.concatenate([jnp.argsort(~need, stable=True).astype(jnp.int32),
+                             jnp.full((m,), b, jnp.int32)])
+
+    def body(carry):
+      j, cache, logits = carry
+      sel = jax.lax.dynamic_slice(order, (j,), (m,))
+      ok = (j + jnp.arange(m)) < count
+      get = jnp.minimum(sel, b - 1)
+      put = jnp.where(ok, sel, b)                                   # b: dropped
+      sub = tfm.KVCache(cache.k[:, get], cache.v[:, get], cache.pos[get])
+      lg, sub = sampler_lib._extend_last(  # pylint: disable=protected-access
+          model, sub, obs[get], jnp.where(ok, obs_len[get], 0), logits[get])
+      cache = tfm.KVCache(cache.k.at[:, put].set(sub.k, mode="drop"),
+                          cache.v.at[:, put].set(sub.v, mode="drop"),
+                          cache.pos.at[put].set(sub.pos, mode="drop"))
+      return j + m, cache, logits.at[put].set(lg, mode="drop")
+
+    _, cache, logits = jax.lax.while_loop(lambda c: c[0] < count, body,
+                                          (jnp.int32(0), cache, logits))
+    return logits, cache
 
 
 def make_engine(kind: str, model_cfg, graphdef, tokenizer, retriever,
