@@ -13,6 +13,7 @@ Per RL step (the data flow of docs/architecture.md):
 """
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import app
@@ -34,6 +35,9 @@ def main(argv) -> None:
   if not FLAGS.workdir:
     raise app.UsageError("--workdir is required")
   logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
+  if os.environ.get("GIGRL_DISTRIBUTED"):  # multi-host TPU pods (launch/tpu_pod.sh)
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.distributed.initialize()
   from gigrl import config as config_lib  # pylint: disable=g-import-not-at-top
   from gigrl.config_utils import ConfigError  # pylint: disable=g-import-not-at-top
   try:

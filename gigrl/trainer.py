@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from gigrl import advantages as adv_lib
@@ -30,6 +32,7 @@ from gigrl import reward as reward_lib
 from gigrl import search as search_lib
 from gigrl import update as update_lib
 from gigrl.data import pool as pool_lib
+from gigrl.models import sharding as sharding_lib
 from gigrl.data import qa
 from gigrl.data import tfds_qa
 from gigrl.data import tokenizer as tok_lib
@@ -90,25 +93,37 @@ class Trainer:
       model, _ = models.from_hf(cfg.model.hf_path, dtype=self.model_cfg.param_dtype)
     else:
       model = models.Transformer(self.model_cfg, rngs=nnx.Rngs(cfg.seed))
-    self.graphdef, self.params = nnx.split(model)
+    self.graphdef, params = nnx.split(model)
+    # Training layout: the `model.train_sharding` preset (FSDP by default) on the mesh.
+    self.mesh = sharding_lib.mesh_from_config(cfg.model)
+    self.param_sh = sharding_lib.param_shardings(params, self.mesh, cfg.model.train_sharding)
+    self.params = sharding_lib.shard_state(params, self.mesh, cfg.model.train_sharding)
     n = sum(x.size for x in jax.tree.leaves(self.params))
-    _log(f"model: {n / 1e6:.2f}M params, {self.model_cfg}")
+    _log(f"model: {n / 1e6:.2f}M params on mesh {dict(self.mesh.shape)} "
+         f"({cfg.model.train_sharding}), {self.model_cfg}")
     t = cfg.train
     opt_kw = dict(weight_decay=t.weight_decay, b1=t.b1, b2=t.b2, grad_clip=t.grad_clip)
     self.sft_tx = update_lib.make_optimizer(t.sft_learning_rate, warmup_steps=0, **opt_kw)
     self.rl_tx = update_lib.make_optimizer(t.learning_rate, warmup_steps=t.warmup_steps,
                                            **opt_kw)
+    self.opt_sh = sharding_lib.opt_state_shardings(
+        jax.eval_shape(self.sft_tx.init, self.params), self.params, self.mesh,
+        cfg.model.train_sharding)
     chunk = int(cfg.model.logprob_chunk_size)
     graphdef = self.graphdef
     max_gen = (cfg.rollout.max_turns + 1) * cfg.rollout.max_new_tokens
+    repl = NamedSharding(self.mesh, P())
+    out_sh = (self.param_sh, self.opt_sh, repl)
     self.sft_step = update_lib.make_step(
         lambda p, tok, m: update_lib.sft_loss(p, graphdef, tok, m, max_tokens=max_gen,
-                                              chunk_size=chunk), self.sft_tx)
+                                              chunk_size=chunk), self.sft_tx,
+        in_shardings=(self.param_sh, self.opt_sh, None, None), out_shardings=out_sh)
     settings = update_lib.rl_settings_from_config(cfg)
     self.rl_step = update_lib.make_step(
         lambda p, ref, tok, m, a: update_lib.rl_loss(p, graphdef, ref, tok, m, a, settings,
                                                      max_tokens=max_gen),
-        self.rl_tx)
+        self.rl_tx, in_shardings=(self.param_sh, self.opt_sh, self.param_sh, None, None, None),
+        out_shardings=out_sh)
     self.adv_cfg = adv_lib.AdvantageConfig.from_config(cfg.advantage)
     self.adv_state = adv_lib.init_state(self.adv_cfg)
     self._adv_fn = jax.jit(functools.partial(adv_lib.compute_advantages, self.adv_cfg))
@@ -118,7 +133,7 @@ class Trainer:
     self.retriever = search_lib.make_retriever(cfg.search)
     self.settings = host_loop.settings_from_config(cfg.rollout, cfg.search.topk)
     self.engine = host_loop.HostLoopEngine(self.model_cfg, self.graphdef, self.tokenizer,
-                                           self.retriever, self.settings)
+                                           self.retriever, self.settings, mesh=self.mesh)
     p = cfg.data.pool
     self.pool = pool_lib.QueryPool(
         len(self.train_questions), rule=p.rule, batch_size=cfg.data.prompts_per_step,
@@ -126,7 +141,10 @@ class Trainer:
 
   # ------------------------------------------------------------------ state
   def _state_tree(self) -> dict[str, Any]:
-    return {"params": self.params, "opt_state": self.opt_state, "ref_params": self.ref_params,
+    # Before RL starts there is no reference policy yet; its slot holds the params so the
+    # tree (and the abstract restore target) has one structure in both phases.
+    ref = self.params if self.ref_params is None else self.ref_params
+    return {"params": self.params, "opt_state": self.opt_state, "ref_params": ref,
             "adv_state": self.adv_state}
 
   def _meta(self, step: int, phase: str) -> dict[str, Any]:
@@ -136,7 +154,10 @@ class Trainer:
             "config": json.loads(self.cfg.to_json_best_effort())}
 
   def _save(self, step: int, phase: str, force: bool = False) -> None:
-    self.ckpt.save(step, self._state_tree(), self._meta(step, phase), force=force)
+    # The async writer reads the arrays after save() returns, while the next train step
+    # donates (frees) params and optimizer state: hand it device copies instead.
+    state = jax.tree.map(jnp.copy, self._state_tree())
+    self.ckpt.save(step, state, self._meta(step, phase), force=force)
 
   def _restore(self) -> int:
     """Restores the latest good checkpoint; returns the step to continue after (0 = none)."""
@@ -145,7 +166,9 @@ class Trainer:
       return 0
     step, state, meta = out
     self.params, self.opt_state = state["params"], state["opt_state"]
-    self.ref_params, self.adv_state = state["ref_params"], state["adv_state"]
+    self.adv_state = state["adv_state"]
+    rl_started = step >= self.cfg.train.sft_steps
+    self.ref_params = state["ref_params"] if rl_started else None
     self.pool.load_state_dict(meta["pool"])
     _log(f"resumed from checkpoint step {step} ({meta['phase']})")
     return step
@@ -154,8 +177,8 @@ class Trainer:
   def run(self) -> None:
     cfg = self.cfg
     sft_steps, total = cfg.train.sft_steps, cfg.train.sft_steps + cfg.train.num_steps
-    self.opt_state = self.sft_tx.init(self.params)
-    self.ref_params = self.params
+    self.opt_state = self._init_opt(self.sft_tx)
+    self.ref_params = None
     start = self._restore()
     self.metrics.truncate_after(start)
     prev = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -198,7 +221,18 @@ class Trainer:
   def _begin_rl(self) -> None:
     """Freezes the reference policy and switches to the RL optimizer."""
     self.ref_params = jax.tree.map(jnp.copy, self.params)
-    self.opt_state = self.rl_tx.init(self.params)
+    self.opt_state = self._init_opt(self.rl_tx)
+
+  def _rollout_params(self):
+    """The params in the rollout layout (`model.rollout_sharding`, TP by default)."""
+    return sharding_lib.shard_state(self.params, self.mesh, self.cfg.model.rollout_sharding)
+
+  def _init_opt(self, tx):
+    return jax.jit(tx.init, out_shardings=self.opt_sh)(self.params)
+
+  def _put(self, x: np.ndarray) -> jax.Array:
+    """Host batch -> device, rows over the mesh's ('data', 'fsdp') axes."""
+    return jax.device_put(x, sharding_lib.batch_sharding(self.mesh, x.shape))
 
   # ------------------------------------------------------------------ SFT
   def _demonstrations(self) -> traj_lib.TrajectoryBatch:
@@ -222,8 +256,8 @@ class Trainer:
     if len(idx) < bs:
       idx = np.resize(perm, bs)
     width = int(demos.lengths[idx].max())
-    tokens = jnp.asarray(demos.tokens[idx, :self._bucket(width)])
-    mask = jnp.asarray(demos.loss_mask[idx, :self._bucket(width)])
+    tokens = self._put(demos.tokens[idx, :self._bucket(width)])
+    mask = self._put(demos.loss_mask[idx, :self._bucket(width)])
     t0 = time.perf_counter()
     self.params, self.opt_state, m = self.sft_step(self.params, self.opt_state, tokens, mask)
     m = jax.device_get(m)
@@ -253,7 +287,7 @@ class Trainer:
     padded = questions + [questions[-1]] * (n_full - len(questions))
     key = jax.random.fold_in(jax.random.key(cfg.seed), step)
     self.retriever_new_step()
-    batch, rmetrics = self.engine.run(self.params, [q.question for q in padded for _ in range(g)],
+    batch, rmetrics = self.engine.run(self._rollout_params(), [q.question for q in padded for _ in range(g)],
                                       key)
     t_roll = time.perf_counter() - t_start
     n_rows = len(cands) * g
@@ -274,9 +308,9 @@ class Trainer:
     if valid_groups.any():
       self.params, self.opt_state, lm = self.rl_step(
           self.params, self.opt_state, self.ref_params,
-          jnp.asarray(batch.tokens[sel, :width]),
-          jnp.asarray(batch.loss_mask[sel, :width] * row_valid[:, None]),
-          jnp.asarray(tok_adv[:, :width], jnp.float32))
+          self._put(batch.tokens[sel, :width]),
+          self._put(batch.loss_mask[sel, :width] * row_valid[:, None]),
+          self._put(tok_adv[:, :width].astype(np.float32)))
       lm = {k: float(v) for k, v in jax.device_get(lm).items()}
     else:
       lm = {"loss": 0.0, "kl": 0.0, "pg_loss": 0.0}
@@ -383,8 +417,8 @@ class Trainer:
       return
     engine = host_loop.HostLoopEngine(
         self.model_cfg, self.graphdef, self.tokenizer, self.retriever,
-        host_loop.RolloutSettings(**{**self.settings.__dict__, "greedy": True}))
-    batch, _ = engine.run(self.params, [q.question for q in qs], jax.random.key(0))
+        host_loop.RolloutSettings(**{**self.settings.__dict__, "greedy": True}), mesh=self.mesh)
+    batch, _ = engine.run(self._rollout_params(), [q.question for q in qs], jax.random.key(0))
     em = np.array([reward_lib.em_reward(batch.generated_text[i], q.golden_answers)
                    for i, q in enumerate(qs)], np.float32)
     out = {"step": step, "eval/em": float(em.mean()), "eval/n": len(qs),

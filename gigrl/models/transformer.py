@@ -109,6 +109,16 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return x * cos + rot * sin
 
 
+def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x [..., I] @ w [I, O] -> [..., O] as one 2-D matmul.
+
+  Flattening the leading dims first matters on XLA:CPU: the weight gradient of a
+  3-D @ 2-D product contracts over two dims and was ~2x slower in backward.
+  """
+  y = x.reshape(-1, x.shape[-1]) @ w
+  return y.reshape(*x.shape[:-1], w.shape[-1])
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
   """Grouped-query softmax attention.
 
@@ -192,16 +202,19 @@ class Transformer(nnx.Module):
   def logits(self, hidden: jax.Array) -> jax.Array:
     """Final-normed hidden [..., D] -> logits f32[..., V]."""
     h = hidden.astype(self.dtype)
+    h2 = h.reshape(-1, h.shape[-1])
     if self.cfg.tie_embeddings:
       w = self.embed[...].astype(self.dtype)
-      return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
-    w = self.lm_head[...].astype(self.dtype)
-    return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+      out = jnp.einsum("nd,vd->nv", h2, w, preferred_element_type=jnp.float32)
+    else:
+      w = self.lm_head[...].astype(self.dtype)
+      out = jnp.einsum("nd,dv->nv", h2, w, preferred_element_type=jnp.float32)
+    return out.reshape(*h.shape[:-1], out.shape[-1])
 
   def _qkv(self, p, h, positions):
     cfg = self.cfg
     b, c, _ = h.shape
-    q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+    q, k, v = dense(h, p["wq"]), dense(h, p["wk"]), dense(h, p["wv"])
     if "bq" in p:
       q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     q = q.reshape(b, c, cfg.num_heads, cfg.head_dim)
@@ -212,11 +225,12 @@ class Transformer(nnx.Module):
 
   def _mlp(self, p, x):
     h = rms_norm(x, p["mlp_norm"], self.cfg.rms_norm_eps)
-    return x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+    return x + dense(jax.nn.silu(dense(h, p["w_gate"])) * dense(h, p["w_up"]),
+                     p["w_down"])
 
   def _attn_out(self, p, x, o):
     b, c = o.shape[:2]
-    return x + o.reshape(b, c, -1) @ p["wo"]
+    return x + dense(o.reshape(b, c, -1), p["wo"])
 
   def _maybe_remat(self, fn):
     return jax.checkpoint(fn, prevent_cse=False) if self.cfg.remat == "full" else fn

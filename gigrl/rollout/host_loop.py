@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from gigrl.models import sampler as sampler_lib
+from gigrl.models import sharding as sharding_lib
 from gigrl.models import transformer as tfm
 from gigrl.rollout import protocol
 from gigrl.rollout import trajectory as traj_lib
@@ -99,8 +100,11 @@ def _pad(rows: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[np.nda
 class HostLoopEngine:
   """Runs batches of Search-R1 rollouts with a host loop over turns."""
 
-  def __init__(self, model_cfg, graphdef, tokenizer, retriever, settings: RolloutSettings):
-    self.model_cfg, self.graphdef = model_cfg, graphdef
+  def __init__(self, model_cfg, graphdef, tokenizer, retriever, settings: RolloutSettings,
+               mesh=None):
+    """``mesh``: if given, the KV cache is sharded over it (rows over ('data', 'fsdp'),
+    KV heads over 'tp'), matching params laid out on the same mesh."""
+    self.model_cfg, self.graphdef, self.mesh = model_cfg, graphdef, mesh
     self.tok, self.retriever, self.s = tokenizer, retriever, settings
     self.stops = stop_sequences(tokenizer)
     self.invalid_ids = traj_lib.invalid_observation_ids(tokenizer)
@@ -124,7 +128,7 @@ class HostLoopEngine:
     prompts = encode_prompts(self.tok, questions, s.max_prompt_tokens)
     for tb, ids, q in zip(builders, prompts, questions):
       tb.add_prompt(ids, anchor=q)
-    cache = tfm.init_cache(self.model_cfg, b, s.seq_len + 1)
+    cache = self._init_cache(b, s.seq_len + 1)
     toks, lens = _pad(prompts, s.max_prompt_tokens, self.tok.pad_id)
     logits = np.zeros((b, self.model_cfg.vocab_size), np.float32)
     logits, cache = sampler_lib.extend_last(self.graphdef, state, cache, toks, lens, logits)
@@ -152,6 +156,12 @@ class HostLoopEngine:
     metrics = {"time/decode_s": t_decode, "time/search_s": t_search,
                "rollout/generated_tokens": float(batch.num_generated_tokens)}
     return batch, metrics
+
+  def _init_cache(self, batch: int, max_len: int):
+    if self.mesh is None:
+      return tfm.init_cache(self.model_cfg, batch, max_len)
+    return tfm.init_cache(self.model_cfg, batch, max_len, sharding=sharding_lib.cache_shardings(
+        self.model_cfg, self.mesh, batch, max_len))
 
   def _step(self, builders, active, gen_tokens, gen_lens, turn):
     """Records one turn, decides each row's next observation; updates ``active`` in place."""
