@@ -196,9 +196,9 @@ class AnchorTest(parameterized.TestCase):
   @parameterized.parameters(False, True)       # masked rows / full rows
   def test_token_ids_partition_equals_exact(self, full):
     rng = np.random.default_rng(1)
-    tok = rng.integers(0, 3, (3, 4, 5, 6 if not full else 2))
+    tok = rng.integers(0, 3, (3, 4, 5, 6 if not full else 3))  # odd L
     lengths = rng.integers(1, 4, (3, 4, 5)) if not full else np.full(
-        (3, 4, 5), 2)
+        (3, 4, 5), 3)
     lengths[0, 0, 4] = -1                             # padded step
     got = anchors.token_anchor_ids(tok, lengths)
     obs = [[[None if lengths[p, g, t] < 0 else tuple(tok[p, g, t,

@@ -155,40 +155,43 @@ def token_anchor_ids(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
   Two steps of one prompt share an id iff their first ``lengths`` tokens are
   equal, up to 64-bit hash collisions (probability about n^2 / 2^65 per
-  prompt with n = G*T rows). Cost: one multiply-add pass over the tokens and
-  a per-prompt sort of n hashes (about 40 ms at 1024 x 16 x 30 x 16 tokens).
+  prompt with n = G*T rows). The tokens are read as int32 pairs packed into
+  64-bit words and hashed with one multiply-add per word, then each prompt's
+  n hashes are sorted (about 25 ms at 1024 x 16 x 30 x 16 tokens on an idle
+  2-core CPU).
 
   Args:
-    tokens: int[P, G, T, L] observation token ids (entries at positions
-      >= length are ignored).
+    tokens: int[P, G, T, L] observation token ids, each < 2^31 (entries at
+      positions >= length are ignored).
     lengths: int[P, G, T] observation lengths; a negative length marks a
       padded step.
 
   Returns:
-    int32[P, G, T] ids in ``[0, G*T)`` (the flat index of one member of the
-    group within its prompt), -1 on padded steps.
+    int32[P, G, T] ids in ``[0, G*T)`` (dense rank of the group's hash within
+    its prompt), -1 on padded steps.
   """
   tokens = np.asarray(tokens)
   lengths = np.asarray(lengths)
   p_n, g_n, t_n, l_n = tokens.shape
-  tok = tokens
   if ((lengths >= 0) & (lengths < l_n)).any():   # skip masking full rows
-    tok = np.where(np.arange(l_n) < lengths[..., None], tokens, 0)
-  coef = np.cumprod(np.full(l_n, 0x9E3779B97F4A7C15, np.uint64),
+    tokens = np.where(np.arange(l_n) < lengths[..., None], tokens, 0)
+  tok = np.ascontiguousarray(tokens.reshape(-1, l_n), dtype=np.int32)
+  if l_n % 2:
+    tok = np.pad(tok, ((0, 0), (0, 1)))
+  words = tok.view(np.uint64)                      # [M, ceil(L/2)]
+  coef = np.cumprod(np.full(words.shape[1], 0x9E3779B97F4A7C15, np.uint64),
                     dtype=np.uint64)
   with np.errstate(over="ignore"):
-    h = np.einsum("ij,j->i", tok.reshape(-1, l_n).astype(np.uint64), coef)
+    h = np.einsum("ij,j->i", words, coef)
     h ^= lengths.reshape(-1).astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
     h ^= h >> np.uint64(31)
   h = h.reshape(p_n, -1)
   order = np.argsort(h, axis=-1)
   sh = np.take_along_axis(h, order, axis=-1)
-  new = np.ones(sh.shape, bool)
+  new = np.ones(sh.shape, np.int32)
   new[:, 1:] = sh[:, 1:] != sh[:, :-1]
-  run_start = np.maximum.accumulate(
-      np.where(new, np.arange(h.shape[1]), 0), axis=-1)
   ids = np.empty(order.shape, np.int32)
-  np.put_along_axis(ids, order, np.take_along_axis(order, run_start, axis=-1),
+  np.put_along_axis(ids, order, np.cumsum(new, axis=-1, dtype=np.int32) - 1,
                     axis=-1)
   return np.where(lengths >= 0, ids.reshape(p_n, g_n, t_n), PAD_ID).astype(
       np.int32)
