@@ -45,10 +45,12 @@ def logprobs_from_hidden(model, hidden: jax.Array, targets: jax.Array, *,
   hs = hidden.reshape(b, n, c, d).swapaxes(0, 1)                     # [n, B, c, D]
   ts = targets.reshape(b, n, c).swapaxes(0, 1)                       # [n, B, c]
 
-  @jax.checkpoint
   def body(_, xs):
     h, t = xs
     return None, _chunk_stats(model, h, t, temperature)
+
+  if n > 1:  # with one chunk, remat would only add a recompute (same peak memory)
+    body = jax.checkpoint(body)
 
   _, (lp, ent) = jax.lax.scan(body, None, (hs, ts))
   lp = lp.swapaxes(0, 1).reshape(b, n * c)[:, :s]

@@ -1,0 +1,136 @@
+"""Greedy KV-cache generation throughput: gigrl (JAX, CPU) vs HF transformers (torch CPU).
+
+Both run the *same* random weights: the gigrl model is exported with `to_hf` and
+loaded by `transformers.AutoModelForCausalLM`. Each measurement is the best of
+`--repeats` timed runs after one warm-up run (which includes JAX compilation).
+Reports new tokens / second (batch * new tokens / wall time, prefill included) and
+the fraction of greedy tokens on which the two implementations agree.
+
+  python benchmarks/generate.py            # hidden 256/4 layers and 512/8 layers
+  python benchmarks/generate.py --quick    # smaller run for a smoke check
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _threads_from_argv() -> int:
+  """--threads must act before jax is imported (XLA reads XLA_FLAGS once)."""
+  for i, a in enumerate(sys.argv):
+    if a.startswith("--threads="):
+      return int(a.split("=", 1)[1])
+    if a == "--threads" and i + 1 < len(sys.argv):
+      return int(sys.argv[i + 1])
+  return 1
+
+
+THREADS = _threads_from_argv()
+if THREADS == 1:  # single-threaded XLA:CPU, to match torch.set_num_threads(1)
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_cpu_multi_thread_eigen=false"
+                             " intra_op_parallelism_threads=1").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from gigrl.models import PRESETS, Transformer, generate, to_hf  # noqa: E402
+
+CONFIGS = {"h256-l4": "small", "h512-l8": "medium"}
+
+
+def _best(fn, repeats):
+  fn()                                                         # warm-up / compile
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    out = fn()
+    times.append(time.perf_counter() - t0)
+  return min(times), out
+
+
+def bench_gigrl(g, st, prompts, new, repeats):
+  b, p = prompts.shape
+  lens = jnp.full((b,), p, jnp.int32)
+  toks = jnp.asarray(prompts)
+
+  def run():
+    out = generate(g, st, toks, lens, jax.random.key(0), max_new_tokens=new,
+                   greedy=True)
+    return np.asarray(jax.block_until_ready(out.tokens))
+
+  return _best(run, repeats)
+
+
+def bench_hf(hf_model, prompts, new, repeats):
+  import torch
+  ids = torch.tensor(prompts, dtype=torch.long)
+  mask = torch.ones_like(ids)
+
+  def run():
+    with torch.inference_mode():
+      out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                              min_new_tokens=new, do_sample=False, use_cache=True,
+                              pad_token_id=0, eos_token_id=None)
+    return out[:, prompts.shape[1]:].numpy()
+
+  return _best(run, repeats)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--quick", action="store_true", help="batch 8, 32 new tokens, h256")
+  ap.add_argument("--batches", default="8,32")
+  ap.add_argument("--prompt", type=int, default=64)
+  ap.add_argument("--new", type=int, default=128)
+  ap.add_argument("--vocab", type=int, default=8192,
+                  help="vocab (gigrl's bundled sentencepiece model has 8192)")
+  ap.add_argument("--configs", default=",".join(CONFIGS))
+  ap.add_argument("--repeats", type=int, default=2)
+  ap.add_argument("--threads", type=int, default=1,
+                  help="CPU threads for BOTH torch and XLA (1 = single-threaded, the "
+                  "reproducible setting on a shared machine; >1 = XLA's default pool)")
+  args = ap.parse_args(argv)
+  if args.quick:
+    args.batches, args.new, args.configs, args.repeats = "8", 32, "h256-l4", 1
+
+  import torch
+  import transformers
+  torch.set_num_threads(args.threads)
+  transformers.logging.set_verbosity_error()
+  print(f"jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__}"
+        f" ({torch.get_num_threads()} threads), transformers {transformers.__version__}")
+  rows = []
+  for name in args.configs.split(","):
+    cfg = PRESETS[CONFIGS[name]].replace(vocab_size=args.vocab)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    with tempfile.TemporaryDirectory() as d:
+      to_hf(model, cfg, d)
+      hf_model = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    g, st = nnx.split(model)
+    for b in map(int, args.batches.split(",")):
+      prompts = np.random.RandomState(b).randint(1, args.vocab, (b, args.prompt))
+      t_j, tok_j = bench_gigrl(g, st, prompts.astype(np.int32), args.new, args.repeats)
+      t_h, tok_h = bench_hf(hf_model, prompts, args.new, args.repeats)
+      agree = float((tok_j == tok_h).mean())
+      rows.append((name, b, b * args.new / t_j, b * args.new / t_h, agree))
+      print(f"  {name} batch {b}: gigrl {t_j:.2f}s, HF {t_h:.2f}s", flush=True)
+  print(f"\nprompt {args.prompt}, {args.new} new tokens, vocab {args.vocab}, greedy, "
+        "f32, CPU")
+  print(f"| config | batch | gigrl new tok/s | HF transformers new tok/s | ratio | "
+        "greedy token agreement |")
+  print("|---|---|---|---|---|---|")
+  for name, b, j, h, agree in rows:
+    print(f"| {name} | {b} | {j:,.0f} | {h:,.0f} | {j / h:.2f}x | {agree:.3f} |")
+  return rows
+
+
+if __name__ == "__main__":
+  main()
