@@ -138,6 +138,23 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
   return o.reshape(b, c, h, hd)
 
 
+def constrain_batch(x: jax.Array) -> jax.Array:
+  """Keeps activations [B, ...] batch-sharded over ('data', 'fsdp') under a mesh.
+
+  Only acts inside `jax.set_mesh(mesh)` with those axes (a no-op otherwise), so
+  FSDP all-gathers weights instead of letting XLA re-shard the batch.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  axes = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
+  size = math.prod(mesh.shape[a] for a in axes) if axes else 1
+  if size == 1 or x.shape[0] % size:
+    return x
+  spec = jax.sharding.PartitionSpec(axes, *([None] * (x.ndim - 1)))
+  return jax.lax.with_sharding_constraint(x, spec)
+
+
 # --------------------------------------------------------------------------- module
 
 
@@ -259,7 +276,7 @@ class Transformer(nnx.Module):
       h = rms_norm(x, p["attn_norm"], self.cfg.rms_norm_eps)
       q, k, v = self._qkv(p, h, positions)
       x = self._attn_out(p, x, attend(q, k, v, mask))
-      return self._mlp(p, x), None
+      return constrain_batch(self._mlp(p, x)), None
 
     x, _ = jax.lax.scan(self._maybe_remat(block), x, self.layers.stacked(self.dtype))
     return rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
@@ -289,12 +306,13 @@ class Transformer(nnx.Module):
       p, layer = xs
       h = rms_norm(x, p["attn_norm"], self.cfg.rms_norm_eps)
       q, k, v = self._qkv(p, h, positions)
-      kl = ks[layer].at[rows, slots].set(k.astype(ks.dtype), mode="drop")
-      vl = vs[layer].at[rows, slots].set(v.astype(vs.dtype), mode="drop")
-      ks = jax.lax.dynamic_update_index_in_dim(ks, kl, layer, 0)
-      vs = jax.lax.dynamic_update_index_in_dim(vs, vl, layer, 0)
-      x = self._attn_out(p, x, attend(q, kl.astype(q.dtype), vl.astype(q.dtype), mask))
-      return (self._mlp(p, x), ks, vs), None
+      # Scatter only the B*C new entries into the carried cache (in place), then
+      # read this layer's slab for attention.
+      ks = ks.at[layer, rows, slots].set(k.astype(ks.dtype), mode="drop")
+      vs = vs.at[layer, rows, slots].set(v.astype(vs.dtype), mode="drop")
+      kl, vl = ks[layer].astype(q.dtype), vs[layer].astype(q.dtype)
+      x = self._attn_out(p, x, attend(q, kl, vl, mask))
+      return (constrain_batch(self._mlp(p, x)), ks, vs), None
 
     xs = (self.layers.stacked(self.dtype), jnp.arange(self.cfg.num_layers))
     (x, k, v), _ = jax.lax.scan(block, (x, cache.k, cache.v), xs)
