@@ -118,6 +118,8 @@ def main(argv=None):
   ap.add_argument("--steps", type=int, default=5)
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--chunk", type=int, default=128, help="token_logprobs chunk size")
+  ap.add_argument("--scan_unroll", type=int, default=1,
+                  help="ModelConfig.scan_unroll (layers per scan iteration)")
   ap.add_argument("--threads", type=int, default=1,
                   help="CPU threads for BOTH torch and XLA (1 = single-threaded, the "
                   "reproducible setting on a shared machine; >1 = XLA's default pool)")
@@ -133,7 +135,8 @@ def main(argv=None):
         f" ({torch.get_num_threads()} threads)")
   rows = []
   for name in args.configs.split(","):
-    cfg = PRESETS[CONFIGS[name]].replace(vocab_size=args.vocab)
+    cfg = PRESETS[CONFIGS[name]].replace(vocab_size=args.vocab,
+                                         scan_unroll=args.scan_unroll)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     with tempfile.TemporaryDirectory() as d:
       to_hf(model, cfg, d)

@@ -114,6 +114,19 @@ def test_export_round_trip_loads_in_transformers(pair, tmp_path):
                              atol=1e-6)
 
 
+def test_bf16_export_loads_in_transformers(pair, tmp_path):
+  _, path, hf_model = pair
+  model, cfg = from_hf(path)
+  to_hf(model, cfg, str(tmp_path), dtype="bfloat16")
+  with open(tmp_path / "config.json") as f:
+    assert json.load(f)["torch_dtype"] == "bfloat16"
+  back = transformers.AutoModelForCausalLM.from_pretrained(
+      str(tmp_path), dtype=torch.float32).eval()
+  toks = _tokens()
+  err = np.abs(_hf_logits(back, toks) - _hf_logits(hf_model, toks)).max()
+  assert err < BF16_TOL
+
+
 def test_convert_cli_round_trip(pair, tmp_path):
   _, path, _ = pair
   out = str(tmp_path / "orbax")

@@ -62,3 +62,18 @@ def test_accepts_model_and_temperature(setup):
       lp, jnp.take_along_axis(logp, targets[..., None], -1)[..., 0], atol=1e-5)
   with pytest.raises(ValueError):
     token_logprobs(model, st, tokens, targets)
+
+
+def test_remat_and_unroll_keep_gradients(setup):
+  """ModelConfig.remat='full' and scan_unroll change the schedule, not the maths."""
+  g, st, tokens, targets = setup
+  g2, _ = nnx.split(Transformer(CFG.replace(remat="full", scan_unroll=2),
+                                rngs=nnx.Rngs(0)))
+
+  def loss(graphdef, state):
+    return token_logprobs(graphdef, state, tokens, targets, chunk_size=64)[0].sum()
+
+  ga = jax.jit(jax.grad(lambda s: loss(g, s)))(st)
+  gb = jax.jit(jax.grad(lambda s: loss(g2, s)))(st)
+  for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)

@@ -46,6 +46,7 @@ class ModelConfig:
   dtype: str = "float32"
   max_position: int = 32768
   remat: str = "none"
+  scan_unroll: int = 1  # lax.scan unroll over layers (>= num_layers = fully unrolled)
 
   def __post_init__(self):
     if isinstance(self.rope_scaling, Mapping):

@@ -278,7 +278,8 @@ class Transformer(nnx.Module):
       x = self._attn_out(p, x, attend(q, k, v, mask))
       return constrain_batch(self._mlp(p, x)), None
 
-    x, _ = jax.lax.scan(self._maybe_remat(block), x, self.layers.stacked(self.dtype))
+    x, _ = jax.lax.scan(self._maybe_remat(block), x, self.layers.stacked(self.dtype),
+                        unroll=self.cfg.scan_unroll)
     return rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
@@ -315,7 +316,8 @@ class Transformer(nnx.Module):
       return (constrain_batch(self._mlp(p, x)), ks, vs), None
 
     xs = (self.layers.stacked(self.dtype), jnp.arange(self.cfg.num_layers))
-    (x, k, v), _ = jax.lax.scan(block, (x, cache.k, cache.v), xs)
+    (x, k, v), _ = jax.lax.scan(block, (x, cache.k, cache.v), xs,
+                                unroll=self.cfg.scan_unroll)
     new_pos = jnp.minimum(cache.pos + lengths, s_max)
     x = rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
     return x, KVCache(k, v, new_pos)
