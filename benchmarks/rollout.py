@@ -41,6 +41,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--max-obs-tokens", type=int, default=128)
   p.add_argument("--topk", type=int, default=3)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--search-bias", type=float, default=1.6,
+                 help="scale of the <search>/</search> LM-head columns (1.0: few searches)")
+  p.add_argument("--search-latency-ms", type=float, default=0.0,
+                 help="sleep added to every retriever call (a remote retriever stand-in)")
   p.add_argument("--temperature", type=float, default=0.0,
                  help="0 = greedy (default): both engines then produce identical rollouts, "
                       "so they do the same work")
@@ -50,8 +54,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
-def chatty_model(tok, seed: int):
-  """(cfg, graphdef, state): tiny random model whose samples use the protocol tags."""
+def chatty_model(tok, seed: int, search_bias: float = 1.0):
+  """(cfg, graphdef, state): tiny random model whose greedy output uses the protocol tags.
+
+  ``search_bias`` scales the LM-head columns of ``<search>`` and ``</search>`` (more searches).
+  """
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
@@ -65,13 +72,26 @@ def chatty_model(tok, seed: int):
            for i in tok.encode(w)]
   cols = np.zeros((cfg.vocab_size,), bool)
   cols[keep] = True
-  model.lm_head[...] = jnp.asarray(np.where(cols[None], np.asarray(model.lm_head[...]) * 10, 0),
-                                   jnp.float32)
+  head = np.where(cols[None], np.asarray(model.lm_head[...]) * 10, 0)
+  for tag in ("<search>", "</search>"):
+    head[:, tok.token_id(tag)] *= search_bias
+  model.lm_head[...] = jnp.asarray(head, jnp.float32)
   for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
     p = getattr(model.layers, name)
     p[...] = p[...] * 5
   graphdef, state = nnx.split(model)
   return cfg, graphdef, state
+
+
+class SlowRetriever:
+  """Adds a fixed latency to every ``search`` call (stand-in for an HTTP retriever)."""
+
+  def __init__(self, inner, seconds: float):
+    self.inner, self.seconds = inner, seconds
+
+  def search(self, queries, topk):
+    time.sleep(self.seconds)
+    return self.inner.search(queries, topk)
 
 
 def time_engine(engine, state, questions, repeats: int, seed: int) -> dict[str, float]:
@@ -101,8 +121,10 @@ def main(argv=None) -> None:
   from gigrl.search import BM25Retriever  # pylint: disable=import-outside-toplevel
 
   tok = tok_lib.SentencePieceTokenizer()
-  cfg, graphdef, state = chatty_model(tok, args.seed)
+  cfg, graphdef, state = chatty_model(tok, args.seed, args.search_bias)
   retriever = BM25Retriever.from_corpus("bundled")
+  if args.search_latency_ms:
+    retriever = SlowRetriever(retriever, args.search_latency_ms / 1e3)
   all_q = [q.question for q in qa.load_bundled_questions()]
   settings = host_loop.RolloutSettings(
       max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
@@ -117,6 +139,7 @@ def main(argv=None) -> None:
         f"max_turns={settings.max_turns} max_new_tokens={settings.max_new_tokens} "
         f"max_obs_tokens={settings.max_obs_tokens} topk={settings.topk_docs} "
         f"{'greedy' if settings.greedy else f'temperature={settings.temperature}'}; "
+        f"retriever BM25 (bundled) + {args.search_latency_ms:g} ms/call; "
         f"{args.repeats} timed run(s) per cell, after one compile run", flush=True)
   header = (f"{'batch':>5} | {'engine':>9} | {'gen tok/s':>9} | {'search %':>8} | "
             f"{'searches':>8} | {'wall s':>7} | {'tok/s vs host_loop':>18}")
