@@ -22,6 +22,7 @@ from gigrl.data import qa
 from gigrl.data import tokenizer as tok_lib
 from gigrl.models import PRESETS, Transformer
 from gigrl.models import sampler as sampler_lib
+from gigrl.models import sharding as sharding_lib
 from gigrl.rollout import callback
 from gigrl.rollout import host_loop
 from gigrl.rollout import protocol
@@ -106,15 +107,23 @@ def assert_same_batch(a, b):
 @pytest.mark.parametrize("n_dev,boundary", [(1, "turn"), (8, "turn"), (2, "step")])
 def test_greedy_equals_host_loop(chatty_model, tok, questions, host_reference, n_dev,
                                  boundary):
+  """(2, 'step') runs like the trainer: a ('data', 'fsdp', 'tp') mesh set as the ambient mesh,
+  FSDP-sharded params, 4 rows per shard (so the compacted observation extend runs)."""
   cfg, graphdef, state = chatty_model
   ref, ref_retriever = host_reference
   # The reference must exercise the protocol, else the comparison is weak.
   assert ref.search_calls.sum() >= 2 and (ref.num_steps < SETTINGS.max_turns + 1).any()
   assert not all(all(v) for v in ref.action_valid)
   retriever = FakeRetriever()
-  engine = callback.CallbackEngine(cfg, graphdef, tok, retriever, SETTINGS, mesh=_mesh(n_dev),
+  if boundary == "step":
+    mesh = sharding_lib.make_mesh({"fsdp": 2}, jax.devices()[:2])
+    state = sharding_lib.shard_state(state, mesh, "fsdp")
+  else:
+    mesh = _mesh(n_dev)
+  engine = callback.CallbackEngine(cfg, graphdef, tok, retriever, SETTINGS, mesh=mesh,
                                    boundary=boundary)
-  batch, metrics = engine.run(state, questions, jax.random.key(0))
+  with jax.set_mesh(mesh):
+    batch, metrics = engine.run(state, questions, jax.random.key(0))
   assert_same_batch(batch, ref)
   assert sorted(q for c in retriever.calls for q in c) == sorted(
       q for c in ref_retriever.calls for q in c)

@@ -27,8 +27,8 @@ step ids are written inside the program at the cache slots (a trajectory's token
 what its KV cache holds). Texts, anchors, action validity and search counts are recorded on the
 host, keyed by the global row ids that the program passes to the callback.
 
-Sharding: the program runs under ``jax.shard_map`` with the batch split over *every* axis of the
-mesh (default: a 1-D ``'data'`` mesh over all devices), so each device (on a pod, each host)
+Sharding: the program runs under ``jax.shard_map`` with the batch split over *every* device of
+the mesh (a 1-D mesh over the caller's devices, default all), so each device (on a pod, each host)
 searches only for its own rows, the per-device callbacks run concurrently, and the per-shard
 loops exit independently. Parameters are **replicated** on every device for this engine (the
 jit all-gathers sharded params); use the host loop for models that need tensor parallelism.
@@ -71,7 +71,7 @@ from gigrl.rollout import protocol
 from gigrl.rollout import trajectory as traj_lib
 
 RolloutSettings = host_loop.RolloutSettings
-DATA_AXIS = "data"
+ROW_AXIS = "rollout_rows"   # the engine's own 1-D mesh axis (see row_mesh)
 
 
 class CallbackRolloutError(RuntimeError):
@@ -118,10 +118,16 @@ def union_seconds(spans: Sequence[tuple[float, float]]) -> float:
   return total
 
 
-def default_mesh() -> Mesh:
-  """1-D ``'data'`` mesh over all devices (``AxisType.Auto``)."""
-  return jax.make_mesh((jax.device_count(),), (DATA_AXIS,),
-                       axis_types=(jax.sharding.AxisType.Auto,))
+def row_mesh(mesh: Mesh | None = None) -> Mesh:
+  """1-D ``ROW_AXIS`` mesh over the devices of ``mesh`` (default: all devices).
+
+  The batch is split over every device, whatever the caller's axes. The axis is deliberately
+  not called ``'data'``/``'fsdp'``: inside ``shard_map`` those axes are Manual, and model code
+  that constrains activations to them under the ambient mesh
+  (``gigrl.models.transformer.constrain_batch``) would raise.
+  """
+  devices = np.asarray(jax.devices() if mesh is None else mesh.devices).reshape(-1)
+  return Mesh(devices, (ROW_AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def _pad_rows(rows: Sequence[Sequence[int]], n: int, width: int, pad_id: int
@@ -156,16 +162,17 @@ class _Carry(NamedTuple):
 class CallbackEngine:
   """Runs batches of Search-R1 rollouts as one jitted program with host search callbacks.
 
-  Same constructor and ``run`` as :class:`gigrl.rollout.host_loop.HostLoopEngine`, plus an
-  optional ``mesh`` (default :func:`default_mesh`). The batch is split over all axes of the
-  mesh; params are replicated. One ``run`` at a time per engine is the intended use, but
+  Same constructor and ``run`` as :class:`gigrl.rollout.host_loop.HostLoopEngine` (including
+  its optional ``mesh``). The batch is split over all devices of the mesh; params are
+  replicated. One ``run`` at a time per engine is the intended use, but
   concurrent runs are kept apart by a run id passed into the program.
   """
 
   def __init__(self, model_cfg, graphdef, tokenizer, retriever, settings: RolloutSettings,
                *, mesh: Mesh | None = None, boundary: str = "turn", obs_chunk: int = 0):
     """Args beyond the host loop's:
-      mesh: devices to split the batch over (all axes); default :func:`default_mesh`.
+      mesh: devices to split the batch over (all of them, flattened; see :func:`row_mesh`);
+        default all devices.
       boundary: when a shard runs the callback + observation ``extend``:
         ``'turn'`` (default) once all its unfinished rows have ended their turn (rows that end
         early wait; the host loop's schedule, but per shard), or ``'step'`` in every step in
@@ -189,8 +196,8 @@ class CallbackEngine:
     if len(self.invalid_ids) > settings.obs_width:
       raise ValueError(f"rollout.max_obs_tokens={settings.max_obs_tokens} is smaller than the "
                        f"invalid-action message ({len(self.invalid_ids)} tokens)")
-    self.mesh = mesh if mesh is not None else default_mesh()
-    self._batch_spec = P(tuple(self.mesh.axis_names))
+    self.mesh = row_mesh(mesh)
+    self._batch_spec = P(ROW_AXIS)
     self._runs: dict[int, _RunState] = {}
     self._run_ids = itertools.count()
     self._registry_lock = threading.Lock()
@@ -236,8 +243,10 @@ class CallbackEngine:
     run_id, run = self._register([_RowRecord(anchors=[q]) for q in questions])
     try:
       t0 = time.perf_counter()
-      out = self._program(state, toks, lens, np.arange(b_pad, dtype=np.int32), live, rng,
-                          np.int32(run_id))
+      args = self._place(state, toks, lens, np.arange(b_pad, dtype=np.int32), live, rng,
+                         np.int32(run_id))
+      with jax.set_mesh(self.mesh):   # shard_map wants its mesh to be the ambient one
+        out = self._program(*args)
       tokens, mask, step_ids, lengths, steps = jax.device_get(out)
       total = time.perf_counter() - t0
     finally:
@@ -257,6 +266,15 @@ class CallbackEngine:
                "rollout/retriever_calls": float(run.search_calls),
                "rollout/decode_steps": float(np.max(steps))}
     return batch, metrics
+
+  def _place(self, state, *args):
+    """Puts params (replicated) and the per-row inputs (split over the rows) on the engine's
+    mesh, whatever mesh the caller's arrays live on (e.g. the trainer's FSDP layout)."""
+    repl = NamedSharding(self.mesh, P())
+    rows = NamedSharding(self.mesh, self._batch_spec)
+    specs = (rows, rows, rows, rows, repl, repl)
+    state = jax.device_put(state, repl)
+    return (state,) + tuple(jax.device_put(a, sh) for a, sh in zip(args, specs))
 
   # ------------------------------------------------------------------ host side
 
@@ -382,7 +400,7 @@ class CallbackEngine:
     model = nnx.merge(self.graphdef, state)
     b, p = prompts.shape
     seq = s.seq_len
-    shard = jax.lax.axis_index(tuple(self.mesh.axis_names))
+    shard = jax.lax.axis_index(ROW_AXIS)
     cache = tfm.init_cache(cfg, b, seq + 1)
     logits = jnp.zeros((b, cfg.vocab_size), jnp.float32)
     # Reuses the sampler's extend so the numerics equal the host loop's.
