@@ -131,6 +131,26 @@ def test_greedy_equals_host_loop(chatty_model, tok, questions, host_reference, n
   assert metrics["rollout/callbacks"] >= n_dev
 
 
+def test_batch_not_multiple_of_shards_is_padded(chatty_model, tok, questions, host_reference):
+  cfg, graphdef, state = chatty_model
+  ref, _ = host_reference
+  engine = callback.CallbackEngine(cfg, graphdef, tok, FakeRetriever(), SETTINGS, mesh=_mesh(8))
+  batch, _ = engine.run(state, questions[:5], jax.random.key(0))
+  assert batch.tokens.shape == (5, SETTINGS.seq_len)
+  for f in FIELDS:            # rows are independent: the first 5 rows of the 8-row reference
+    np.testing.assert_array_equal(getattr(batch, f), getattr(ref, f)[:5], err_msg=f)
+  assert batch.generated_text == ref.generated_text[:5] and batch.anchors == ref.anchors[:5]
+
+
+def test_bad_options_raise(chatty_model, tok):
+  cfg, graphdef, _ = chatty_model
+  with pytest.raises(ValueError, match="boundary"):
+    callback.CallbackEngine(cfg, graphdef, tok, FakeRetriever(), SETTINGS, boundary="row")
+  small = host_loop.RolloutSettings(max_obs_tokens=8)
+  with pytest.raises(ValueError, match="invalid-action message"):
+    callback.CallbackEngine(cfg, graphdef, tok, FakeRetriever(), small)
+
+
 # --------------------------------------------------------------------------- scripted policy
 
 FILLER = " la"

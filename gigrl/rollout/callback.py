@@ -183,11 +183,15 @@ class CallbackEngine:
     Raises:
       ValueError: a stop tag is not one token, the invalid-action message is longer than
         ``settings.max_obs_tokens``, or an unknown ``boundary``.
+      NotImplementedError: more than one JAX process.
     """
     if boundary not in ("turn", "step"):
       raise ValueError(f"boundary={boundary!r}; expected 'turn' or 'step'")
     if obs_chunk < 0:
       raise ValueError(f"obs_chunk={obs_chunk} must be >= 0")
+    if jax.process_count() > 1:
+      raise NotImplementedError("CallbackEngine is single-process (host records are not "
+                                "gathered across processes); use rollout.engine=host_loop")
     self.boundary, self.obs_chunk = boundary, int(obs_chunk)
     self.model_cfg, self.graphdef = model_cfg, graphdef
     self.tok, self.retriever, self.s = tokenizer, retriever, settings
