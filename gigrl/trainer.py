@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -42,7 +43,7 @@ from gigrl.rollout import trajectory as traj_lib
 
 
 def _log(msg: str) -> None:
-  tqdm.write(f"[gigrl] {msg}")
+  tqdm.write(f"[gigrl] {msg}", file=sys.stderr)
 
 
 class Trainer:
@@ -345,8 +346,11 @@ class Trainer:
     return record
 
   def retriever_new_step(self) -> None:
+    """Per-step query cache and per-step search counters (so resumed runs log the same)."""
     if hasattr(self.retriever, "new_step"):
       self.retriever.new_step()
+    if hasattr(self.retriever, "reset_metrics"):
+      self.retriever.reset_metrics()
 
   def _search_metrics(self) -> dict[str, float]:
     return dict(self.retriever.metrics()) if hasattr(self.retriever, "metrics") else {}

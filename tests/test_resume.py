@@ -1,0 +1,146 @@
+"""A killed run loses nothing: SIGKILL at random points, SIGTERM, corrupt checkpoints.
+
+Every check compares `metrics.jsonl` of the interrupted-and-resumed run with an uninterrupted
+run of the same command: all metrics must be equal bitwise, except wall-clock timings
+(`*_s`, `*tokens_per_s`), which differ between any two runs.
+`GIGRL_RESUME_REPEATS=10 pytest tests/test_resume.py -k kill` repeats the kill test.
+"""
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARGS = ["--config.train.sft_steps=3", "--config.train.num_steps=4",
+        "--config.data.max_train_questions=8", "--config.data.prompts_per_step=2",
+        "--config.data.group_size=2", "--config.model.preset=tiny",
+        "--config.rollout.max_new_tokens=16", "--config.rollout.max_obs_tokens=64",
+        "--config.train.sft_batch_size=4", "--config.train.eval_questions=0",
+        "--config.checkpoint.every_steps=2", "--config.checkpoint.keep=2",
+        "--config.advantage.reweight=hadw"]
+TIMING = ("_s", "tokens_per_s")
+REPEATS = int(os.environ.get("GIGRL_RESUME_REPEATS", "1"))
+
+
+def _cmd(workdir, *extra):
+  return [sys.executable, "-m", "gigrl.train", "--config",
+          os.path.join(ROOT, "configs/smoke.py"), "--workdir", str(workdir), *ARGS, *extra]
+
+
+def _env():
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  return env
+
+
+def _run(workdir, *extra):
+  proc = subprocess.run(_cmd(workdir, *extra), capture_output=True, text=True, timeout=600,
+                        cwd=ROOT, env=_env())
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return proc.stdout + proc.stderr
+
+
+def _metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  return [{k: v for k, v in r.items() if not k.endswith(TIMING)} for r in rows]
+
+
+def _lines(workdir):
+  try:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      return sum(1 for _ in f)
+  except FileNotFoundError:
+    return 0
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("reference")
+  _run(workdir)
+  rows = _metrics(workdir)
+  assert [r["step"] for r in rows] == list(range(1, 8))
+  return rows
+
+
+def _start(workdir):
+  return subprocess.Popen(_cmd(workdir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True, cwd=ROOT, env=_env())
+
+
+def _wait_for(proc, pred, timeout=300):
+  t0 = time.time()
+  while time.time() - t0 < timeout:
+    if pred() or proc.poll() is not None:
+      return
+    time.sleep(0.05)
+  raise TimeoutError("training did not reach the kill point")
+
+
+@pytest.mark.parametrize("repeat", range(REPEATS))
+def test_sigkill_at_random_points_then_resume(tmp_path, reference, repeat):
+  rng = random.Random(1000 + repeat)
+  workdir = tmp_path / "run"
+  # Two kills: one right when a checkpoint write starts (its temporary directory appears),
+  # one at a random metrics line plus a random delay.
+  ckpt_dir = workdir / "checkpoints"
+
+  def writing_checkpoint():
+    return ckpt_dir.exists() and any("tmp" in p.name for p in ckpt_dir.iterdir())
+
+  kill_points = [writing_checkpoint,
+                 (lambda n=rng.randint(3, 6): _lines(workdir) >= n)]
+  for pred in kill_points:
+    proc = _start(workdir)
+    _wait_for(proc, pred)
+    time.sleep(rng.uniform(0.0, 0.3))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+  out = _run(workdir)
+  assert _metrics(workdir) == reference, out[-2000:]
+
+
+def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, reference):
+  workdir = tmp_path / "run"
+  proc = _start(workdir)
+  _wait_for(proc, lambda: _lines(workdir) >= 4)      # in RL, between checkpoints
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 0, err[-3000:]
+  assert "SIGTERM" in err
+  steps = sorted(int(p) for p in os.listdir(workdir / "checkpoints") if p.isdigit())
+  n = _lines(workdir)
+  assert steps[-1] == n        # the step it stopped at was checkpointed
+  _run(workdir)
+  assert _metrics(workdir) == reference
+
+
+def test_corrupt_latest_checkpoint_falls_back(tmp_path, reference):
+  workdir = tmp_path / "run"
+  _run(workdir, "--config.train.num_steps=2")             # stops at step 5; keeps 4 and 5
+  steps = sorted(int(p) for p in os.listdir(workdir / "checkpoints") if p.isdigit())
+  assert steps == [4, 5]
+  state = workdir / "checkpoints" / "5" / "state"
+  for root, _, files in os.walk(state):
+    for f in files:
+      with open(os.path.join(root, f), "wb") as fh:
+        fh.write(b"garbage")
+  out = _run(workdir)
+  assert "checkpoint 5 is corrupt or partial" in out
+  assert "resumed from checkpoint step 4" in out
+  assert _metrics(workdir) == reference
+
+
+def test_partial_checkpoint_dir_is_ignored(tmp_path, reference):
+  workdir = tmp_path / "run"
+  _run(workdir, "--config.train.num_steps=1")             # steps 1..4, checkpoints 2, 4
+  tmp = workdir / "checkpoints" / "6.orbax-checkpoint-tmp-123"
+  shutil.copytree(workdir / "checkpoints" / "4", tmp)     # a write that never finished
+  _run(workdir)
+  assert _metrics(workdir) == reference
