@@ -118,3 +118,16 @@ def test_presets_param_counts():
   assert abs(PRESETS["qwen2.5-1.5b"].num_params / 1e9 - 1.54) < 0.02
   assert abs(PRESETS["qwen2.5-7b"].num_params / 1e9 - 7.62) < 0.03
   assert abs(PRESETS["llama-3.2-1b"].num_params / 1e9 - 1.24) < 0.01
+
+
+def test_decode_attention_path_matches_einsum():
+  from gigrl.models import transformer as tfm
+  keys = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(keys[0], (3, 1, 8, 16))
+  k = jax.random.normal(keys[1], (3, 10, 2, 16))
+  v = jax.random.normal(keys[2], (3, 10, 2, 16))
+  mask = (jnp.arange(10)[None, None, :] <= jnp.array([0, 4, 9])[:, None, None])
+  got = tfm._attend_one(q, k, v, mask)
+  q2 = jnp.concatenate([q, q], axis=1)          # C = 2 takes the einsum path
+  want = tfm.attend(q2, k, v, jnp.concatenate([mask, mask], axis=1))[:, :1]
+  np.testing.assert_allclose(got, want, atol=1e-5)
