@@ -5,14 +5,14 @@ BM25 retriever over the bundled corpus (``BM25Retriever.from_corpus('bundled')``
 For each batch size, each engine is run once to compile (not timed) and then ``--repeats`` times.
 The table gives generated tokens/s, the share of wall time spent in search (retriever call +
 observation tokenisation; for the callback engine, the wall time during which at least one
-shard's search was running) and each engine's throughput relative to the host loop. The callback engine runs with each
-``boundary`` mode in ``--boundaries`` (``turn``: host-loop schedule per shard; ``step``: rows
-never wait).
+shard's search was running) and each engine's throughput relative to the host loop. The
+callback engine runs with each ``boundary`` mode in ``--boundaries`` (``turn``: host-loop
+schedule per shard; ``step``: rows never wait).
 
 The model is made "chatty" (its LM head only scores the Search-R1 tags, EOS and a few words, and
 the layer weights are scaled up), so greedy rollouts really search and answer; a plain random
 model almost never emits ``<search>``. Decoding is greedy by default, so both engines produce the
-same trajectories and do the same work. Its throughput says nothing about a real model on a TPU:
+same trajectories and do the same work. The numbers say nothing about a real model on a TPU:
 on a CPU the decode step of a tiny model is cheap, so fixed per-step and per-call costs weigh more.
 
 Run:  python benchmarks/rollout.py --quick            (about a minute on 2 CPU cores)

@@ -8,6 +8,7 @@
   with the right queries, once per step in which turns end, and the outputs equal the host loop
   driven by the same script.
 * A retriever that raises gives CallbackRolloutError, not a hang.
+* A batch that is not a multiple of the shard count is padded and cut back.
 """
 import threading
 import time
@@ -287,6 +288,16 @@ def test_retriever_error_is_raised_not_hung(scripted):
   engine.retriever = FakeRetriever()
   batch, _ = engine.run(state, [f"q{i}" for i in range(8)], jax.random.key(0))
   assert batch.search_calls.sum() == 6
+
+
+def test_make_engine_dispatch(chatty_model, tok):
+  cfg, graphdef, _ = chatty_model
+  args = (cfg, graphdef, tok, FakeRetriever(), SETTINGS)
+  assert isinstance(callback.make_engine("host_loop", *args), host_loop.HostLoopEngine)
+  assert isinstance(callback.make_engine("callback", *args, boundary="step"),
+                    callback.CallbackEngine)
+  with pytest.raises(ValueError, match="rollout.engine"):
+    callback.make_engine("vllm", *args)
 
 
 def test_union_seconds():

@@ -438,7 +438,8 @@ class CallbackEngine:
     slot = jnp.where(act, c.cache.pos, seq)                    # out of range: dropped
     window = jnp.where(act[:, None],
                        jnp.concatenate([c.window[:, 1:], tok[:, None]], axis=1), c.window)
-    hit = act & sampler_lib._stop_hit(window, jnp.asarray(self.stops))  # pylint: disable=protected-access
+    stop_hit = sampler_lib._stop_hit  # pylint: disable=protected-access
+    hit = act & stop_hit(window, jnp.asarray(self.stops))
     logits, cache = sampler_lib._extend_last(  # pylint: disable=protected-access
         model, c.cache, tok[:, None], act.astype(jnp.int32), c.logits)
     turn_len = c.turn_len + act.astype(jnp.int32)
@@ -523,14 +524,20 @@ class CallbackEngine:
 
 
 def make_engine(kind: str, model_cfg, graphdef, tokenizer, retriever,
-                settings: RolloutSettings, **kw) -> Any:
+                settings: RolloutSettings, *, mesh: Mesh | None = None, **callback_kw) -> Any:
   """``rollout.engine`` dispatch: ``'host_loop'`` or ``'callback'``.
 
+  ``callback_kw`` (``boundary``, ``obs_chunk``) go to :class:`CallbackEngine` only.
+
   Raises:
-    ValueError: unknown ``kind``.
+    ValueError: unknown ``kind``, or ``callback_kw`` given for the host loop.
   """
   if kind == "host_loop":
-    return host_loop.HostLoopEngine(model_cfg, graphdef, tokenizer, retriever, settings)
+    if callback_kw:
+      raise ValueError(f"options {sorted(callback_kw)} only apply to rollout.engine=callback")
+    return host_loop.HostLoopEngine(model_cfg, graphdef, tokenizer, retriever, settings,
+                                    mesh=mesh)
   if kind == "callback":
-    return CallbackEngine(model_cfg, graphdef, tokenizer, retriever, settings, **kw)
+    return CallbackEngine(model_cfg, graphdef, tokenizer, retriever, settings, mesh=mesh,
+                          **callback_kw)
   raise ValueError(f"rollout.engine={kind!r}; expected 'host_loop' or 'callback'")
