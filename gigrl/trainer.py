@@ -37,6 +37,7 @@ from gigrl.models import sharding as sharding_lib
 from gigrl.data import qa
 from gigrl.data import tfds_qa
 from gigrl.data import tokenizer as tok_lib
+from gigrl.rollout import callback as callback_lib
 from gigrl.rollout import demos as demos_lib
 from gigrl.rollout import host_loop
 from gigrl.rollout import trajectory as traj_lib
@@ -133,8 +134,9 @@ class Trainer:
     cfg = self.cfg
     self.retriever = search_lib.make_retriever(cfg.search)
     self.settings = host_loop.settings_from_config(cfg.rollout, cfg.search.topk)
-    self.engine = host_loop.HostLoopEngine(self.model_cfg, self.graphdef, self.tokenizer,
-                                           self.retriever, self.settings, mesh=self.mesh)
+    self.engine = callback_lib.make_engine(cfg.rollout.engine, self.model_cfg, self.graphdef,
+                                           self.tokenizer, self.retriever, self.settings,
+                                           mesh=self.mesh)
     p = cfg.data.pool
     self.pool = pool_lib.QueryPool(
         len(self.train_questions), rule=p.rule, batch_size=cfg.data.prompts_per_step,
@@ -264,7 +266,10 @@ class Trainer:
     m = jax.device_get(m)
     dt = time.perf_counter() - t0
     ntok = float(demos.lengths[idx].sum())
-    return {"step": step, "phase": "sft", "loss": float(m["loss"]), "kl": 0.0,
+    # The RL-only fields are null on SFT steps, so every line has the same keys.
+    return {"step": step, "phase": "sft", "reward_mean": None, "em": None,
+            "search_calls_mean": None, "zero_variance_frac": None,
+            "loss": float(m["loss"]), "kl": 0.0,
             "tokens_per_s": ntok / dt, "step_time_s": dt,
             **{k: float(v) for k, v in m.items() if k != "loss"}}
 
@@ -419,8 +424,8 @@ class Trainer:
     qs = self.eval_questions[:self.cfg.train.eval_questions]
     if not qs:
       return
-    engine = host_loop.HostLoopEngine(
-        self.model_cfg, self.graphdef, self.tokenizer, self.retriever,
+    engine = callback_lib.make_engine(
+        self.cfg.rollout.engine, self.model_cfg, self.graphdef, self.tokenizer, self.retriever,
         host_loop.RolloutSettings(**{**self.settings.__dict__, "greedy": True}), mesh=self.mesh)
     batch, _ = engine.run(self._rollout_params(), [q.question for q in qs], jax.random.key(0))
     em = np.array([reward_lib.em_reward(batch.generated_text[i], q.golden_answers)

@@ -65,9 +65,10 @@ def test_rerun_resumes_and_adds_nothing(run_dir):
   assert _metrics(run_dir) == before
 
 
-def test_all_estimators_compose_in_training(tmp_path):
+def test_all_estimators_compose_in_training_with_callback_engine(tmp_path):
   _train(tmp_path, "--config.advantage.outcome=stratified", "--config.advantage.step=gigpo",
          "--config.advantage.reweight=hadw", "--config.data.pool.rule=bounded_dapo",
+         "--config.rollout.engine=callback",
          "--config.data.pool.oversample=2")
   rows = _metrics(tmp_path)
   rl = [r for r in rows if r["phase"] == "rl"]
