@@ -21,7 +21,7 @@ log-probs; train-time log-probs from `token_logprobs` use the same raw conventio
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -126,7 +126,7 @@ def _stop_hit(window: jax.Array, stops: jax.Array) -> jax.Array:
 
 class _Carry(NamedTuple):
   i: jax.Array
-  cache: KVCache
+  kv: Any            # KVCache, or (ks tuple, vs tuple, pos) when unstacked
   logits: jax.Array
   key: jax.Array
   active: jax.Array
@@ -139,6 +139,43 @@ class _Carry(NamedTuple):
   window: jax.Array
 
 
+def _unstack_decode() -> bool:
+  """Decode on per-layer buffers? Yes on XLA:CPU (see extend_hidden_unstacked)."""
+  return jax.default_backend() == "cpu"
+
+
+def _kv_ops(model, cache: KVCache):
+  """(initial kv state, step fn, finish fn) for the decode loop.
+
+  step(kv, tok i32[B], act bool[B], logits f32[B, V]) -> (logits, kv) feeds one
+  token per live row; finish(kv) -> KVCache.
+  """
+  if not _unstack_decode():
+    def step(kv, tok, act, logits):
+      return _extend_last(model, kv, tok[:, None], act.astype(jnp.int32), logits)
+    return cache, step, lambda kv: kv
+
+  layers = model.layers.unstacked(model.dtype)          # sliced once, outside the loop
+  n = model.cfg.num_layers
+  kv0 = (tuple(cache.k[i] for i in range(n)), tuple(cache.v[i] for i in range(n)),
+         cache.pos)
+
+  def step(kv, tok, act, logits):
+    h, ks, vs, pos = model.extend_hidden_unstacked(
+        layers, kv[0], kv[1], kv[2], tok[:, None], act.astype(jnp.int32))
+    new = model.logits(h[:, 0])
+    return jnp.where(act[:, None], new, logits), (ks, vs, pos)
+
+  def finish(kv):
+    return KVCache(jnp.stack(kv[0]), jnp.stack(kv[1]), kv[2])
+
+  return kv0, step, finish
+
+
+def _kv_pos(kv):
+  return kv.pos if isinstance(kv, KVCache) else kv[2]
+
+
 @functools.partial(
     jax.jit, static_argnums=(0,), donate_argnums=(2,),
     static_argnames=("max_new_tokens", "top_k", "top_p", "greedy"))
@@ -147,9 +184,10 @@ def _decode(graphdef, state, cache, next_logits, rng, active, budget, stops,
   model = nnx.merge(graphdef, state)
   b, n = next_logits.shape[0], max_new_tokens
   s_max = cache.max_len
+  kv0, feed, finish = _kv_ops(model, cache)
 
   def live(c):
-    return c.active & (c.budget > 0) & (c.cache.pos < s_max)
+    return c.active & (c.budget > 0) & (_kv_pos(c.kv) < s_max)
 
   def body(c: _Carry) -> _Carry:
     key, sub = jax.random.split(c.key)
@@ -163,10 +201,9 @@ def _decode(graphdef, state, cache, next_logits, rng, active, budget, stops,
                        jnp.concatenate([c.window[:, 1:], tok[:, None]], axis=1),
                        c.window)
     hit = act & _stop_hit(window, stops)
-    logits, cache = _extend_last(model, c.cache, tok[:, None], act.astype(jnp.int32),
-                                 c.logits)
+    logits, kv = feed(c.kv, tok, act, c.logits)
     return _Carry(
-        i=c.i + 1, cache=cache, logits=logits, key=key,
+        i=c.i + 1, kv=kv, logits=logits, key=key,
         active=act & ~hit, budget=c.budget - act.astype(jnp.int32),
         tokens=c.tokens.at[:, c.i].set(tok),
         logprobs=c.logprobs.at[:, c.i].set(jnp.where(act, lp, 0.0)),
@@ -178,14 +215,14 @@ def _decode(graphdef, state, cache, next_logits, rng, active, budget, stops,
     return (c.i < n) & jnp.any(live(c))
 
   c0 = _Carry(
-      i=jnp.int32(0), cache=cache, logits=next_logits.astype(jnp.float32), key=rng,
+      i=jnp.int32(0), kv=kv0, logits=next_logits.astype(jnp.float32), key=rng,
       active=active.astype(bool), budget=budget.astype(jnp.int32),
       tokens=jnp.full((b, n), PAD_TOKEN, jnp.int32),
       logprobs=jnp.zeros((b, n), jnp.float32), mask=jnp.zeros((b, n), bool),
       lengths=jnp.zeros((b,), jnp.int32), stopped=jnp.zeros((b,), bool),
       window=jnp.full((b, stops.shape[1]), -2, jnp.int32))
   c = jax.lax.while_loop(cond, body, c0)
-  return DecodeOut(c.tokens, c.logprobs, c.mask, c.lengths, c.stopped, c.cache,
+  return DecodeOut(c.tokens, c.logprobs, c.mask, c.lengths, c.stopped, finish(c.kv),
                    c.logits)
 
 

@@ -221,6 +221,11 @@ class Layers(nnx.Module):
       names += ["bq", "bk", "bv"]
     return {n: getattr(self, n)[...].astype(dtype) for n in names}
 
+  def unstacked(self, dtype) -> list[dict[str, jax.Array]]:
+    """Per-layer {name: array} dicts (static slices of `stacked`)."""
+    st = self.stacked(dtype)
+    return [{n: a[i] for n, a in st.items()} for i in range(self.attn_norm.shape[0])]
+
 
 class Transformer(nnx.Module):
   """Causal decoder LM. `model(tokens i32[B, S]) -> logits f32[B, S, V]`."""
@@ -316,18 +321,23 @@ class Transformer(nnx.Module):
 
   # ---- cached forward ------------------------------------------------------
 
-  def extend_hidden(self, cache: KVCache, tokens: jax.Array,
-                    lengths: jax.Array) -> tuple[jax.Array, KVCache]:
-    """Like `extend` but returns final-normed hidden [B, C, D] instead of logits."""
+  def _extend_setup(self, pos, s_max, tokens, lengths):
+    """Positions [B, C], write slots [B, C] (s_max = dropped), rows [B, C], mask."""
     b, c = tokens.shape
-    s_max = cache.max_len
-    lengths = lengths.astype(jnp.int32)
     offs = jnp.arange(c, dtype=jnp.int32)
-    positions = cache.pos[:, None] + offs                                  # [B, C]
+    positions = pos[:, None] + offs                                        # [B, C]
     # Slots of padding tokens (i >= lengths[b]) point out of range: dropped.
     slots = jnp.where(offs[None] < lengths[:, None], positions, s_max)     # [B, C]
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, c))
     mask = jnp.arange(s_max)[None, None, :] <= positions[:, :, None]      # [B, C, S]
+    return positions, slots, rows, mask
+
+  def extend_hidden(self, cache: KVCache, tokens: jax.Array,
+                    lengths: jax.Array) -> tuple[jax.Array, KVCache]:
+    """Like `extend` but returns final-normed hidden [B, C, D] instead of logits."""
+    s_max = cache.max_len
+    lengths = lengths.astype(jnp.int32)
+    positions, slots, rows, mask = self._extend_setup(cache.pos, s_max, tokens, lengths)
     x = self.embed_tokens(tokens)
 
     def block(carry, xs):
@@ -349,6 +359,36 @@ class Transformer(nnx.Module):
     new_pos = jnp.minimum(cache.pos + lengths, s_max)
     x = rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
     return x, KVCache(k, v, new_pos)
+
+  def extend_hidden_unstacked(self, layer_params: list[dict], ks: tuple, vs: tuple,
+                              pos: jax.Array, tokens: jax.Array, lengths: jax.Array):
+    """`extend_hidden` on per-layer weights and cache buffers (Python layer loop).
+
+    For decode loops on XLA:CPU, which copies every dynamic slice of a stacked
+    [L, ...] weight or cache before using it (2x slower steps). The caller unstacks
+    once outside its `while_loop` (see `sampler.decode`).
+
+    Args:
+      layer_params: L dicts from `self.layers.unstacked(dtype)`.
+      ks, vs: L arrays [B, S_max, KV, Dh] each.
+      pos: i32[B]; tokens: i32[B, C]; lengths: i32[B].
+    Returns:
+      (hidden [B, C, D], ks, vs, new pos i32[B]).
+    """
+    s_max = ks[0].shape[1]
+    lengths = lengths.astype(jnp.int32)
+    positions, slots, rows, mask = self._extend_setup(pos, s_max, tokens, lengths)
+    x = self.embed_tokens(tokens)
+    ks, vs = list(ks), list(vs)
+    for i, p in enumerate(layer_params):
+      h = rms_norm(x, p["attn_norm"], self.cfg.rms_norm_eps)
+      q, k, v = self._qkv(p, h, positions)
+      ks[i] = ks[i].at[rows, slots].set(k.astype(ks[i].dtype), mode="drop")
+      vs[i] = vs[i].at[rows, slots].set(v.astype(vs[i].dtype), mode="drop")
+      o = attend(q, ks[i].astype(q.dtype), vs[i].astype(q.dtype), mask)
+      x = constrain_batch(self._mlp(p, self._attn_out(p, x, o)))
+    x = rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
+    return x, tuple(ks), tuple(vs), jnp.minimum(pos + lengths, s_max)
 
 
 def extend(model: Transformer, cache: KVCache, tokens: jax.Array,
