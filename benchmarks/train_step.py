@@ -33,6 +33,8 @@ def _threads_from_argv() -> int:
 
 THREADS = _threads_from_argv()
 if THREADS == 1:  # single-threaded XLA:CPU, to match torch.set_num_threads(1)
+  # Pin to one core too: XLA:CPU may still run independent ops concurrently.
+  os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_cpu_multi_thread_eigen=false"
                              " intra_op_parallelism_threads=1").strip()

@@ -1,25 +1,88 @@
 """Chunked per-token log-probabilities and entropies (memory-bounded, differentiable).
 
 The full f32[B, S, V] logits tensor is never materialised: the final-normed hidden
-states are cut into sequence chunks of `chunk_size`, and a `lax.scan` with a
-`jax.checkpoint`-ed body computes each chunk's logits, log-softmax, target log-prob
-and entropy. In the backward pass each chunk's logits are recomputed, so peak memory
-is O(B * chunk_size * V) instead of O(B * S * V) (Qwen2.5 vocab = 151,936).
+states are cut into sequence chunks of `chunk_size` and a `lax.scan` computes each
+chunk's logits, target log-prob and entropy with a hand-written VJP
+(`head_stats`). The backward pass recomputes a chunk's logits from the saved
+hidden states (when there is more than one chunk) and forms the logits gradient in
+closed form,
+
+  d logp_t / dz = onehot(t) - p,     d H / dz = -p * (log p + H),
+
+(the fused softmax-cross-entropy gradient, e.g. Megatron-LM's vocab-parallel cross
+entropy), so peak memory is O(B * chunk_size * V) instead of O(B * S * V) (Qwen2.5
+vocab = 151,936) and no autodiff temporaries of that size are kept.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 
-def _chunk_stats(model, h, targets, temperature):
-  """h [B, c, D], targets i32[B, c] -> (logprob f32[B, c], entropy f32[B, c])."""
-  logits = model.logits(h) / temperature                             # f32[B, c, V]
-  logp = jax.nn.log_softmax(logits, axis=-1)
-  tgt = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+def _head_logits(h, w, tied, temperature):
+  """h [N, D], w [V, D] (tied) or [D, V] -> f32[N, V] / temperature."""
+  eq = "nd,vd->nv" if tied else "nd,dv->nv"
+  return jnp.einsum(eq, h, w, preferred_element_type=jnp.float32) / temperature
+
+
+def _stats(z, t):
+  lse = jax.nn.logsumexp(z, axis=-1)
+  logp = z - lse[:, None]
+  lp = jnp.take_along_axis(logp, t[:, None], axis=-1)[:, 0]
   ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
-  return tgt, ent
+  return lp, ent, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def head_stats(h, w, t, tied: bool, temperature: float, save_logits: bool):
+  """Target log-prob and entropy of one chunk, with a closed-form VJP.
+
+  Args:
+    h: [N, D] final-normed hidden states (compute dtype).
+    w: LM head, [V, D] when `tied` (the embedding) else [D, V].
+    t: i32[N] targets.
+    tied, temperature: static.
+    save_logits: static; keep f32[N, V] logits for the backward pass instead of
+      recomputing them (worth it when the whole sequence is one chunk).
+  Returns:
+    (logprob f32[N], entropy f32[N]).
+  """
+  lp, ent, _ = _stats(_head_logits(h, w, tied, temperature), t)
+  return lp, ent
+
+
+def _head_fwd(h, w, t, tied, temperature, save_logits):
+  z = _head_logits(h, w, tied, temperature)
+  lp, ent, lse = _stats(z, t)
+  return (lp, ent), (h, w, t, lse, ent, z if save_logits else None)
+
+
+def _head_bwd(tied, temperature, save_logits, res, g):
+  del save_logits
+  h, w, t, lse, ent, z = res
+  g_lp, g_ent = g
+  if z is None:
+    z = _head_logits(h, w, tied, temperature)
+  logp = z - lse[:, None]
+  p = jnp.exp(logp)
+  dz = -p * (g_lp[:, None] + g_ent[:, None] * (logp + ent[:, None]))
+  dz = dz.at[jnp.arange(t.shape[0]), t].add(g_lp)
+  dz = (dz / temperature).astype(h.dtype)
+  if tied:
+    dh = jnp.einsum("nv,vd->nd", dz, w, preferred_element_type=jnp.float32)
+    dw = jnp.einsum("nv,nd->vd", dz, h, preferred_element_type=jnp.float32)
+  else:
+    dh = jnp.einsum("nv,dv->nd", dz, w, preferred_element_type=jnp.float32)
+    dw = jnp.einsum("nd,nv->dv", h, dz, preferred_element_type=jnp.float32)
+  return (dh.astype(h.dtype), dw.astype(w.dtype),
+          np.zeros(t.shape, dtype=jax.dtypes.float0))
+
+
+head_stats.defvjp(_head_fwd, _head_bwd)
 
 
 def logprobs_from_hidden(model, hidden: jax.Array, targets: jax.Array, *,
@@ -27,7 +90,7 @@ def logprobs_from_hidden(model, hidden: jax.Array, targets: jax.Array, *,
   """Chunked log p(targets | hidden) and entropy.
 
   Args:
-    model: Transformer (provides `.logits`).
+    model: Transformer (provides `.head_weight()`).
     hidden: [B, S, D] final-normed hidden states.
     targets: i32[B, S].
     chunk_size: sequence positions per chunk (S is padded up to a multiple).
@@ -42,19 +105,18 @@ def logprobs_from_hidden(model, hidden: jax.Array, targets: jax.Array, *,
   if pad:
     hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
     targets = jnp.pad(targets, ((0, 0), (0, pad)))
-  hs = hidden.reshape(b, n, c, d).swapaxes(0, 1)                     # [n, B, c, D]
-  ts = targets.reshape(b, n, c).swapaxes(0, 1)                       # [n, B, c]
+  hs = hidden.reshape(b, n, c, d).swapaxes(0, 1).reshape(n, b * c, d)  # [n, B*c, D]
+  ts = targets.reshape(b, n, c).swapaxes(0, 1).reshape(n, b * c)       # [n, B*c]
+  w, tied = model.head_weight()
+  temperature = float(temperature)
 
   def body(_, xs):
     h, t = xs
-    return None, _chunk_stats(model, h, t, temperature)
-
-  if n > 1:  # with one chunk, remat would only add a recompute (same peak memory)
-    body = jax.checkpoint(body)
+    return None, head_stats(h.astype(w.dtype), w, t, tied, temperature, n == 1)
 
   _, (lp, ent) = jax.lax.scan(body, None, (hs, ts))
-  lp = lp.swapaxes(0, 1).reshape(b, n * c)[:, :s]
-  ent = ent.swapaxes(0, 1).reshape(b, n * c)[:, :s]
+  lp = lp.reshape(n, b, c).swapaxes(0, 1).reshape(b, n * c)[:, :s]
+  ent = ent.reshape(n, b, c).swapaxes(0, 1).reshape(b, n * c)[:, :s]
   return lp, ent
 
 

@@ -122,22 +122,30 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
   """Grouped-query softmax attention.
 
+  The G = H / KV query heads sharing a KV head are folded into the query axis, and
+  q/k/v are transposed to [B*KV, rows, Dh] first so both products are canonical
+  batched matmuls (1.7x faster forward+backward on XLA:CPU than contracting the
+  [B, S, KV, Dh] layout directly).
+
   Args:
     q: [B, C, H, Dh]; k, v: [B, S, KV, Dh]; mask: bool[B, C, S] (True = may attend).
   Returns:
     [B, C, H, Dh] in q's dtype. Scores and softmax are f32.
   """
   b, c, h, hd = q.shape
-  kv = k.shape[2]
+  s_len, kv = k.shape[1], k.shape[2]
+  g = h // kv
   if c == 1 and kv <= 4 and jax.default_backend() == "cpu":
     return _attend_one(q, k, v, mask)
-  qg = q.reshape(b, c, kv, h // kv, hd)
-  s = jnp.einsum("bckgd,bskd->bkgcs", qg, k, preferred_element_type=jnp.float32)
-  s = s * (1.0 / math.sqrt(hd))
+  qt = q.reshape(b, c, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b * kv, g * c, hd)
+  kt = k.transpose(0, 2, 1, 3).reshape(b * kv, s_len, hd)
+  vt = v.transpose(0, 2, 1, 3).reshape(b * kv, s_len, hd)
+  s = jnp.einsum("nqd,nsd->nqs", qt, kt, preferred_element_type=jnp.float32)
+  s = s.reshape(b, kv, g, c, s_len) * (1.0 / math.sqrt(hd))
   s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
-  p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-  o = jnp.einsum("bkgcs,bskd->bckgd", p, v)
-  return o.reshape(b, c, h, hd)
+  p = jax.nn.softmax(s, axis=-1).astype(v.dtype).reshape(b * kv, g * c, s_len)
+  o = jnp.einsum("nqs,nsd->nqd", p, vt).reshape(b, kv, g, c, hd)
+  return o.transpose(0, 3, 1, 2, 4).reshape(b, c, h, hd)
 
 
 def constrain_batch(x: jax.Array) -> jax.Array:
@@ -249,6 +257,12 @@ class Transformer(nnx.Module):
     """tokens i32[B, S] -> [B, S, D] in the compute dtype."""
     return jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)
 
+  def head_weight(self) -> tuple[jax.Array, bool]:
+    """(LM head weight in the compute dtype, tied): [V, D] if tied else [D, V]."""
+    if self.cfg.tie_embeddings:
+      return self.embed[...].astype(self.dtype), True
+    return self.lm_head[...].astype(self.dtype), False
+
   def logits(self, hidden: jax.Array) -> jax.Array:
     """Final-normed hidden [..., D] -> logits f32[..., V]."""
     h = hidden.astype(self.dtype)
@@ -311,9 +325,22 @@ class Transformer(nnx.Module):
       x = self._attn_out(p, x, attend(q, k, v, mask))
       return constrain_batch(self._mlp(p, x)), None
 
-    x, _ = jax.lax.scan(self._maybe_remat(block), x, self.layers.stacked(self.dtype),
-                        unroll=self.cfg.scan_unroll)
+    if self.loop_layers():
+      for p in self.layers.unstacked(self.dtype):
+        x, _ = self._maybe_remat(block)(x, p)
+    else:
+      x, _ = jax.lax.scan(self._maybe_remat(block), x, self.layers.stacked(self.dtype),
+                          unroll=self.cfg.scan_unroll)
     return rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
+
+  def loop_layers(self) -> bool:
+    """Python loop over per-layer weight slices instead of `lax.scan`?
+
+    XLA:CPU copies every dynamic slice of the stacked weights / saved activations
+    inside a scan (~13% of a CPU train step); accelerators fuse them, and scan keeps
+    compile time flat in depth there. `scan_unroll` > 1 forces the scan.
+    """
+    return jax.default_backend() == "cpu" and self.cfg.scan_unroll == 1
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
     """tokens i32[B, S] -> causal logits f32[B, S, V]."""
