@@ -64,7 +64,8 @@ def test_greedy_equals_argmax_of_full_forward(split, prompts):
     ref = _greedy_reference(model, toks[r, :lens[r]], N)
     np.testing.assert_array_equal(out.tokens[r], ref)
     seq = list(toks[r, :lens[r]]) + ref
-    logp = jax.nn.log_softmax(_padded_logits(st, jnp.asarray(seq + [0] * (_WIDTH - len(seq)))))
+    padded = jnp.asarray(seq + [0] * (_WIDTH - len(seq)))
+    logp = jax.nn.log_softmax(_padded_logits(st, padded))
     expect = [logp[lens[r] - 1 + i, t] for i, t in enumerate(ref)]
     np.testing.assert_allclose(out.logprobs[r], expect, atol=1e-5)
   assert out.mask.all() and (out.lengths == N).all() and not out.stopped.any()

@@ -171,9 +171,11 @@ def validate(cfg_model: Any) -> None:
 
 
 def check_range_mesh(c, field):
+  """Mesh axis size: an int >= 1 or -1; returns it."""
   value = get_field(c, field)
-  if isinstance(value, bool) or not isinstance(value, int) or not (value == -1 or value >= 1):
-    raise ConfigError(field, value, "an integer >= 1, or -1 for 'all remaining devices'")
+  ok = isinstance(value, int) and not isinstance(value, bool) and (value == -1 or value >= 1)
+  if not ok:
+    raise ConfigError(field, value, "an integer >= 1, or -1 for all remaining devices")
   return value
 
 

@@ -120,7 +120,8 @@ def config_from_hf(path_or_config: str | dict, *, dtype: str = "float32",
       num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
       rope_theta=theta, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-      qkv_bias=(mt == "qwen2"), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      qkv_bias=(mt == "qwen2"),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       rope_scaling=scaling, dtype=dtype, param_dtype=param_dtype or dtype,
       max_position=hf.get("max_position_embeddings", 32768))
 

@@ -224,7 +224,8 @@ class Layers(nnx.Module):
 
   def stacked(self, dtype) -> dict[str, jax.Array]:
     """{name: [L, ...] array cast to the compute dtype} for `lax.scan`."""
-    names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+    names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up",
+             "w_down"]
     if hasattr(self, "bq"):
       names += ["bq", "bk", "bv"]
     return {n: getattr(self, n)[...].astype(dtype) for n in names}
@@ -342,7 +343,8 @@ class Transformer(nnx.Module):
     """
     return jax.default_backend() == "cpu" and self.cfg.scan_unroll == 1
 
-  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+  def __call__(self, tokens: jax.Array,
+               positions: jax.Array | None = None) -> jax.Array:
     """tokens i32[B, S] -> causal logits f32[B, S, V]."""
     return self.logits(self.hidden(tokens, positions))
 
