@@ -91,13 +91,15 @@ class Trainer:
   def _setup_model(self) -> None:
     cfg = self.cfg
     self.model_cfg = models.model_config_from(cfg.model, self.tokenizer.vocab_size)
-    if cfg.model.hf_path:
-      model, _ = models.from_hf(cfg.model.hf_path, dtype=self.model_cfg.param_dtype)
+    # Training layout: the `model.train_sharding` preset (FSDP by default) on the mesh.
+    self.mesh = sharding_lib.mesh_from_config(cfg.model)
+    if cfg.model.hf_path:   # each tensor goes straight to its shard (no full host copy)
+      model, self.model_cfg = models.from_hf(
+          cfg.model.hf_path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
+          mesh=self.mesh, preset=cfg.model.train_sharding, remat=cfg.model.remat)
     else:
       model = models.Transformer(self.model_cfg, rngs=nnx.Rngs(cfg.seed))
     self.graphdef, params = nnx.split(model)
-    # Training layout: the `model.train_sharding` preset (FSDP by default) on the mesh.
-    self.mesh = sharding_lib.mesh_from_config(cfg.model)
     self.param_sh = sharding_lib.param_shardings(params, self.mesh, cfg.model.train_sharding)
     self.params = sharding_lib.shard_state(params, self.mesh, cfg.model.train_sharding)
     n = sum(x.size for x in jax.tree.leaves(self.params))
