@@ -23,7 +23,10 @@ ARGS = ["--config.train.sft_steps=3", "--config.train.num_steps=4",
         "--config.rollout.max_new_tokens=16", "--config.rollout.max_obs_tokens=64",
         "--config.train.sft_batch_size=4", "--config.train.eval_questions=0",
         "--config.checkpoint.every_steps=2", "--config.checkpoint.keep=2",
-        "--config.advantage.reweight=hadw"]
+        "--config.advantage.reweight=hadw",
+        # every sampled group is trained on, so RL steps update the params (and a resumed
+        # run must reproduce the optimizer state and params exactly to match)
+        "--config.data.pool.rule=grpo"]
 TIMING = ("_s", "tokens_per_s")
 REPEATS = int(os.environ.get("GIGRL_RESUME_REPEATS", "1"))
 
