@@ -283,11 +283,12 @@ class Trainer:
   def _rl_step(self, step: int) -> dict[str, Any]:
     cfg, g = self.cfg, self.cfg.data.group_size
     t_start = time.perf_counter()
-    cands = self.pool.sample()
-    if len(cands) == 0:   # every query consumed: start a new pass over the data
-      _log(f"step {step}: query pool exhausted; re-activating all {self.pool.num_queries}")
+    if int((self.pool.weights > 0).sum()) < self.pool.num_candidates:
+      # Too few active queries to fill a step: start a new pass over the data.
+      _log(f"step {step}: query pool has fewer than {self.pool.num_candidates} active "
+           f"queries; re-activating all {self.pool.num_queries}")
       self.pool.weights[:] = 1.0
-      cands = self.pool.sample()
+    cands = self.pool.sample()
     questions = [self.train_questions[int(i)] for i in cands]
     # Fixed rollout width (k·P groups) so the jitted rollout never recompiles; filler groups
     # repeat the last question and are dropped before the pool update.
