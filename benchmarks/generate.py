@@ -17,26 +17,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _threads_from_argv() -> int:
-  """--threads must act before jax is imported (XLA reads XLA_FLAGS once)."""
-  for i, a in enumerate(sys.argv):
-    if a.startswith("--threads="):
-      return int(a.split("=", 1)[1])
-    if a == "--threads" and i + 1 < len(sys.argv):
-      return int(sys.argv[i + 1])
-  return 1
-
-
-THREADS = _threads_from_argv()
-if THREADS == 1:  # single-threaded XLA:CPU, to match torch.set_num_threads(1)
-  # Pin to one core too: XLA:CPU may still run independent ops concurrently.
-  os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_cpu_multi_thread_eigen=false"
-                             " intra_op_parallelism_threads=1").strip()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _threads  # noqa: E402,F401  (before jax: sets XLA_FLAGS from --threads)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
