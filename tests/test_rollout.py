@@ -152,3 +152,18 @@ def test_demonstration_matches_rollout_format(tok):
 def test_prompt_too_long_names_question(tok):
   with pytest.raises(ValueError, match="max_prompt_tokens"):
     host_loop.encode_prompts(tok, ["word " * 400], 192)
+
+
+def test_retriever_returning_too_few_lists_is_an_error(monkeypatch, tok):
+  class Short(FakeRetriever):
+    def search(self, queries, topk):
+      return super().search(queries, topk)[:-1]
+  policy = ScriptedPolicy(tok, SCRIPT)
+  monkeypatch.setattr(host_loop.sampler_lib, "extend_last", policy.extend_last)
+  monkeypatch.setattr(host_loop.sampler_lib, "decode", policy.decode)
+  monkeypatch.setattr(host_loop.tfm, "init_cache", lambda *a, **k: None)
+  settings = host_loop.RolloutSettings(max_turns=2, max_new_tokens=48, max_obs_tokens=64,
+                                       max_prompt_tokens=192, topk_docs=2)
+  engine = host_loop.HostLoopEngine(_Cfg(), None, tok, Short(), settings)
+  with pytest.raises(ValueError, match="1 queries"):
+    engine.run(None, ["Who is A", "Who is B", "Who is C"], rng=_key())

@@ -189,6 +189,9 @@ class HostLoopEngine:
     t0 = time.perf_counter()
     if queries:
       results = self.retriever.search(queries, s.topk_docs)
+      if len(results) != len(queries):
+        raise ValueError(f"retriever returned {len(results)} result lists for "
+                         f"{len(queries)} queries")
       for i, passages in zip(query_rows, results):
         ids, anchor = traj_lib.observation_ids(self.tok, [p.contents for p in passages],
                                                s.max_obs_tokens)
