@@ -360,13 +360,9 @@ class CallbackEngine:
     if not queries:
       return
     t0 = time.perf_counter()
-    results = self.retriever.search(queries, s.topk_docs)
-    if len(results) != len(queries):
-      raise ValueError(f"retriever returned {len(results)} result lists for "
-                       f"{len(queries)} queries")
-    for j, passages in zip(query_rows, results):
-      ids, anchor = traj_lib.observation_ids(self.tok, [p.contents for p in passages],
-                                             s.max_obs_tokens)
+    found = traj_lib.search_observations(self.retriever, self.tok, queries, s.topk_docs,
+                                         s.max_obs_tokens)
+    for j, (ids, anchor) in zip(query_rows, found):
       self._put(obs, obs_len, j, ids)
       run.rows[int(row_ids[j])].anchors.append(anchor)
     with run.lock:

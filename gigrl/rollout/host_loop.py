@@ -188,13 +188,9 @@ class HostLoopEngine:
         tb.add_observation(obs[i], anchor=protocol.INVALID_ACTION_MSG.strip())
     t0 = time.perf_counter()
     if queries:
-      results = self.retriever.search(queries, s.topk_docs)
-      if len(results) != len(queries):
-        raise ValueError(f"retriever returned {len(results)} result lists for "
-                         f"{len(queries)} queries")
-      for i, passages in zip(query_rows, results):
-        ids, anchor = traj_lib.observation_ids(self.tok, [p.contents for p in passages],
-                                               s.max_obs_tokens)
+      found = traj_lib.search_observations(self.retriever, self.tok, queries, s.topk_docs,
+                                           s.max_obs_tokens)
+      for i, (ids, anchor) in zip(query_rows, found):
         obs[i] = ids
         builders[i].add_observation(ids, anchor=anchor)
     return obs, time.perf_counter() - t0

@@ -126,6 +126,21 @@ def observation_ids(tokenizer, passages_contents: Sequence[str], max_obs_tokens:
   return head + body + tail, passages
 
 
+def search_observations(retriever, tokenizer, queries: Sequence[str], topk: int,
+                        max_obs_tokens: int) -> list[tuple[list[int], str]]:
+  """One batched retriever call; (observation ids, anchor text) per query, in order.
+
+  Raises:
+    ValueError: the retriever returned a different number of result lists than queries.
+  """
+  results = retriever.search(list(queries), topk)
+  if len(results) != len(queries):
+    raise ValueError(f"retriever returned {len(results)} result lists for "
+                     f"{len(queries)} queries")
+  return [observation_ids(tokenizer, [p.contents for p in passages], max_obs_tokens)
+          for passages in results]
+
+
 def invalid_observation_ids(tokenizer) -> list[int]:
   """Token ids of Search-R1's invalid-action message."""
   return tokenizer.encode(protocol.INVALID_ACTION_MSG)
