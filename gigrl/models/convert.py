@@ -21,7 +21,6 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from gigrl.models import hf
-from gigrl.models import sharding as shd
 from gigrl.models.config import ModelConfig
 from gigrl.models.transformer import Transformer
 
@@ -46,14 +45,7 @@ def load_converted(out: str, *, mesh=None, preset: str = "replicated"
   out = os.path.abspath(out)
   with open(os.path.join(out, "model_config.json")) as f:
     cfg = ModelConfig(**json.load(f))
-  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-  graphdef, abs_state = nnx.split(abstract)
-  pure = nnx.to_pure_dict(abs_state)
-  if mesh is not None:
-    shardings = nnx.to_pure_dict(shd.param_shardings(abs_state, mesh, preset))
-  else:
-    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shardings = jax.tree.map(lambda _: dev, pure)
+  graphdef, abs_state, pure, shardings = hf.abstract_with_shardings(cfg, mesh, preset)
   target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         pure, shardings)
   restored = ocp.StandardCheckpointer().restore(os.path.join(out, "state"), target)

@@ -236,6 +236,25 @@ def _load_param(reader: SafetensorsReader, name: str, abstract: jax.ShapeDtypeSt
   return jax.make_array_from_callback(abstract.shape, sharding, callback)
 
 
+def abstract_with_shardings(cfg: ModelConfig, mesh: Mesh | None, preset: str):
+  """(graphdef, abstract state, its pure dict, pure dict of target shardings) of a model.
+
+  With a mesh the shardings follow `sharding.param_shardings(.., mesh, preset)`; without
+  one everything goes to the first device.
+  """
+  from gigrl.models import sharding as shd
+
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  graphdef, abs_state = nnx.split(abstract)
+  pure = nnx.to_pure_dict(abs_state)
+  if mesh is not None:
+    shardings = nnx.to_pure_dict(shd.param_shardings(abs_state, mesh, preset))
+  else:
+    dev = SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: dev, pure)
+  return graphdef, abs_state, pure, shardings
+
+
 def from_hf(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
             mesh: Mesh | None = None, preset: str = "replicated",
             remat: str = "none") -> tuple[Transformer, ModelConfig]:
@@ -253,19 +272,10 @@ def from_hf(path: str, *, dtype: str = "float32", param_dtype: str | None = None
     HFImportError naming the field / tensor for an unsupported architecture, a missing
     tensor or a shape mismatch.
   """
-  from gigrl.models import sharding as shd
-
   cfg = dataclasses.replace(config_from_hf(path, dtype=dtype, param_dtype=param_dtype),
                             remat=remat)
   reader = SafetensorsReader(path)
-  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-  graphdef, abs_state = nnx.split(abstract)
-  pure = nnx.to_pure_dict(abs_state)
-  if mesh is not None:
-    shardings = nnx.to_pure_dict(shd.param_shardings(abs_state, mesh, preset))
-  else:
-    dev = SingleDeviceSharding(jax.devices()[0])
-    shardings = jax.tree.map(lambda _: dev, pure)
+  graphdef, abs_state, pure, shardings = abstract_with_shardings(cfg, mesh, preset)
 
   def load(path_keys, x):
     name = path_keys[-1].key
