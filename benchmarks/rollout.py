@@ -54,35 +54,6 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
-def chatty_model(tok, seed: int, search_bias: float = 1.0):
-  """(cfg, graphdef, state): tiny random model whose greedy output uses the protocol tags.
-
-  ``search_bias`` scales the LM-head columns of ``<search>`` and ``</search>`` (more searches).
-  """
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from gigrl.models import PRESETS, Transformer  # pylint: disable=import-outside-toplevel
-  cfg = PRESETS["tiny"].replace(vocab_size=tok.vocab_size, hidden_size=64,
-                                intermediate_size=128, head_dim=16, tie_embeddings=False)
-  model = Transformer(cfg, rngs=nnx.Rngs(seed))
-  keep = [tok.token_id(t) for t in ("<search>", "</search>", "<answer>", "</answer>",
-                                    "<think>")] + [tok.eos_id]
-  keep += [i for w in (" paris", " river", " john", " the", " king", " born", " city", " war")
-           for i in tok.encode(w)]
-  cols = np.zeros((cfg.vocab_size,), bool)
-  cols[keep] = True
-  head = np.where(cols[None], np.asarray(model.lm_head[...]) * 10, 0)
-  for tag in ("<search>", "</search>"):
-    head[:, tok.token_id(tag)] *= search_bias
-  model.lm_head[...] = jnp.asarray(head, jnp.float32)
-  for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
-    p = getattr(model.layers, name)
-    p[...] = p[...] * 5
-  graphdef, state = nnx.split(model)
-  return cfg, graphdef, state
-
-
 class SlowRetriever:
   """Adds a fixed latency to every ``search`` call (stand-in for an HTTP retriever)."""
 
@@ -118,10 +89,11 @@ def main(argv=None) -> None:
   from gigrl.data import qa  # pylint: disable=import-outside-toplevel
   from gigrl.data import tokenizer as tok_lib  # pylint: disable=import-outside-toplevel
   from gigrl.rollout import callback, host_loop  # pylint: disable=import-outside-toplevel
+  from gigrl import testing  # pylint: disable=import-outside-toplevel
   from gigrl.search import BM25Retriever  # pylint: disable=import-outside-toplevel
 
   tok = tok_lib.SentencePieceTokenizer()
-  cfg, graphdef, state = chatty_model(tok, args.seed, args.search_bias)
+  cfg, graphdef, state = testing.chatty_model(tok, args.seed, args.search_bias)
   retriever = BM25Retriever.from_corpus("bundled")
   if args.search_latency_ms:
     retriever = SlowRetriever(retriever, args.search_latency_ms / 1e3)

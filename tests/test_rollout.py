@@ -13,19 +13,7 @@ from gigrl.rollout import demos
 from gigrl.rollout import host_loop
 from gigrl.rollout import protocol
 from gigrl.rollout import trajectory as traj_lib
-from gigrl.search.base import Passage
-
-
-class FakeRetriever:
-  """Deterministic retriever: returns k passages whose text names the query."""
-
-  def __init__(self):
-    self.calls = []
-
-  def search(self, queries, topk):
-    self.calls.append(list(queries))
-    return [[Passage(f"{q}-{i}", f'"T{i}"\nabout {q} number {i}', 1.0) for i in range(topk)]
-            for q in queries]
+from gigrl.testing import FakeRetriever
 
 
 class ScriptedPolicy:

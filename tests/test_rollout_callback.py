@@ -10,41 +10,26 @@
 * A retriever that raises gives CallbackRolloutError, not a hang.
 * A batch that is not a multiple of the shard count is padded and cut back.
 """
-import threading
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from gigrl.data import qa
 from gigrl.data import tokenizer as tok_lib
-from gigrl.models import PRESETS, Transformer
 from gigrl.models import sampler as sampler_lib
 from gigrl.models import sharding as sharding_lib
 from gigrl.rollout import callback
 from gigrl.rollout import host_loop
 from gigrl.rollout import protocol
-from gigrl.search.base import Passage
+from gigrl import testing
+from gigrl.testing import FakeRetriever
 
 SETTINGS = host_loop.RolloutSettings(max_turns=2, max_new_tokens=16, max_obs_tokens=64,
                                      max_prompt_tokens=192, topk_docs=2, greedy=True)
 FIELDS = ("tokens", "loss_mask", "step_ids", "lengths", "search_calls", "num_steps")
-
-
-class FakeRetriever:
-  """Deterministic, thread-safe: k passages whose text names the query."""
-
-  def __init__(self):
-    self.calls, self._lock = [], threading.Lock()
-
-  def search(self, queries, topk):
-    with self._lock:
-      self.calls.append(list(queries))
-    return [[Passage(f"{q}-{i}", f'"T{i}"\nabout {q} number {i}', 1.0) for i in range(topk)]
-            for q in queries]
 
 
 class RaisingRetriever:
@@ -65,22 +50,7 @@ def questions():
 @pytest.fixture(scope="module")
 def chatty_model(tok):
   """(cfg, graphdef, state) of a random model whose greedy output uses the protocol tags."""
-  cfg = PRESETS["tiny"].replace(vocab_size=tok.vocab_size, hidden_size=64,
-                                intermediate_size=128, head_dim=16, tie_embeddings=False)
-  model = Transformer(cfg, rngs=nnx.Rngs(0))
-  keep = [tok.token_id(t) for t in ("<search>", "</search>", "<answer>", "</answer>",
-                                    "<think>")] + [tok.eos_id]
-  keep += [i for w in (" paris", " river", " john", " the", " king", " born", " city", " war")
-           for i in tok.encode(w)]
-  cols = np.zeros((cfg.vocab_size,), bool)
-  cols[keep] = True
-  model.lm_head[...] = jnp.asarray(np.where(cols[None], np.asarray(model.lm_head[...]) * 10, 0),
-                                   jnp.float32)
-  for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
-    p = getattr(model.layers, name)
-    p[...] = p[...] * 5
-  graphdef, state = nnx.split(model)
-  return cfg, graphdef, state
+  return testing.chatty_model(tok, seed=0)
 
 
 @pytest.fixture(scope="module")
