@@ -131,3 +131,57 @@ def test_decode_attention_path_matches_einsum():
   q2 = jnp.concatenate([q, q], axis=1)          # C = 2 takes the einsum path
   want = tfm.attend(q2, k, v, jnp.concatenate([mask, mask], axis=1))[:, :1]
   np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [3, 4, 32])   # 3 and 4 leave a partial last block
+def test_block_causal_attention_matches_masked_attend(block):
+  from gigrl.models import transformer as tfm
+  keys = jax.random.split(jax.random.key(4), 4)
+  q = jax.random.normal(keys[0], (2, 10, 4, 8))
+  k = jax.random.normal(keys[1], (2, 10, 2, 8))
+  v = jax.random.normal(keys[2], (2, 10, 2, 8))
+  w = jax.random.normal(keys[3], (2, 10, 4, 8))
+  mask = jnp.broadcast_to(jnp.tril(jnp.ones((10, 10), bool)), (2, 10, 10))
+
+  def loss(fn):
+    return lambda q, k, v: jnp.sum(w * fn(q, k, v))
+
+  got = tfm.attend_causal(q, k, v, block)
+  np.testing.assert_allclose(got, tfm.attend(q, k, v, mask), atol=1e-6)
+  g_got = jax.grad(loss(lambda *a: tfm.attend_causal(*a, block)), argnums=(0, 1, 2))(q, k, v)
+  g_want = jax.grad(loss(lambda *a: tfm.attend(*a, mask)), argnums=(0, 1, 2))(q, k, v)
+  for a, b in zip(g_got, g_want):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_model_block_causal_equals_dense(tokens):
+  blocked = Transformer(_cfg(causal_block=5), rngs=nnx.Rngs(0))
+  dense = Transformer(_cfg(causal_block=0), rngs=nnx.Rngs(0))
+  np.testing.assert_allclose(blocked(tokens), dense(tokens), atol=TOL)
+
+
+def test_swiglu_value_and_gradient_match_autodiff():
+  from gigrl.models.transformer import swiglu
+  keys = jax.random.split(jax.random.key(5), 3)
+  gate = 4 * jax.random.normal(keys[0], (5, 7))
+  up = jax.random.normal(keys[1], (5, 7))
+  w = jax.random.normal(keys[2], (5, 7))
+  ref = lambda g, u: jnp.sum(w * jax.nn.silu(g) * u)  # noqa: E731
+  got = lambda g, u: jnp.sum(w * swiglu(g, u))  # noqa: E731
+  np.testing.assert_allclose(got(gate, up), ref(gate, up), rtol=1e-6)
+  for a, b in zip(jax.grad(got, (0, 1))(gate, up), jax.grad(ref, (0, 1))(gate, up)):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_bf16_cache_writes_keep_bits():
+  from gigrl.models.transformer import from_bits, to_bits, write_cache
+  buf = jnp.zeros((2, 4, 1, 3), jnp.bfloat16)
+  new = jnp.asarray([[[[1.5, -2.0, 3.25]]], [[[0.1, 0.2, 0.3]]]], jnp.float32)
+  idx = (jnp.arange(2)[:, None], jnp.asarray([[1], [4]]))   # row 1's slot 4 is dropped
+  direct = write_cache(buf, idx, new, jnp.bfloat16)
+  via_bits = from_bits(write_cache(to_bits(buf), idx, new, jnp.bfloat16), jnp.bfloat16)
+  assert direct.dtype == via_bits.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(direct, np.float32),
+                                np.asarray(via_bits, np.float32))
+  np.testing.assert_array_equal(np.asarray(direct[0, 1, 0], np.float32), [1.5, -2, 3.25])
+  assert not np.asarray(direct[1], np.float32).any()

@@ -47,6 +47,7 @@ class ModelConfig:
   max_position: int = 32768
   remat: str = "none"
   scan_unroll: int = 1  # lax.scan unroll over layers (>= num_layers = fully unrolled)
+  causal_block: int = 32  # query block of the cache-free causal attention (0 = dense)
 
   def __post_init__(self):
     if isinstance(self.rope_scaling, Mapping):
@@ -135,6 +136,7 @@ def default_config() -> mlc.ConfigDict:
   c.param_dtype = "float32"   # parameter storage dtype
   c.remat = "none"            # none | full (rematerialise each block in backward)
   c.logprob_chunk_size = 512  # sequence chunk for token_logprobs
+  c.causal_block = 32         # causal attention query block in training (0 = dense)
   # Mesh axis sizes; -1 on at most one axis = all remaining devices.
   c.mesh = mlc.ConfigDict(dict(data=1, fsdp=-1, tp=1))
   c.train_sharding = "fsdp"   # one of TRAIN_SHARDINGS
@@ -157,6 +159,7 @@ def validate(cfg_model: Any) -> None:
   check_choice(c, "model.param_dtype", DTYPES)
   check_choice(c, "model.remat", REMAT)
   check_range(c, "model.logprob_chunk_size", 1, integer=True)
+  check_range(c, "model.causal_block", 0, integer=True)
   sizes = [check_range_mesh(c, f"model.mesh.{a}") for a in ("data", "fsdp", "tp")]
   if sum(s == -1 for s in sizes) > 1:
     raise ConfigError("model.mesh", dict(zip(("data", "fsdp", "tp"), sizes)),
@@ -195,6 +198,7 @@ def _apply_overrides(base: ModelConfig, cfg_model: Any,
   kw["dtype"] = cfg_model.get("dtype", base.dtype)
   kw["param_dtype"] = cfg_model.get("param_dtype", base.param_dtype)
   kw["remat"] = cfg_model.get("remat", base.remat)
+  kw["causal_block"] = int(cfg_model.get("causal_block", base.causal_block))
   return dataclasses.replace(base, **kw)
 
 
@@ -215,7 +219,7 @@ def model_config_from(cfg_model: Any, vocab_size: int | None = None) -> ModelCon
       raise ConfigError("model.hf_path", cfg_model.hf_path,
                         f"a checkpoint whose vocab ({base.vocab_size}) covers the "
                         f"tokenizer's {vocab_size} ids")
-    sizes_ok = {"dtype", "param_dtype", "remat"}
+    sizes_ok = {"dtype", "param_dtype", "remat", "causal_block"}
     return dataclasses.replace(base, **{k: cfg_model.get(k, getattr(base, k))
                                         for k in sizes_ok})
   return _apply_overrides(PRESETS[cfg_model.preset], cfg_model, vocab_size)

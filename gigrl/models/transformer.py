@@ -109,14 +109,55 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return x * cos + rot * sin
 
 
+def _sigmoid(x):
+  # tanh form: one transcendental, no divide (faster than 1 / (1 + exp(-x)) on
+  # XLA:CPU), same value to f32 rounding.
+  return 0.5 + 0.5 * jnp.tanh(0.5 * x)
+
+
+@jax.custom_vjp
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+  """silu(gate) * up (the SwiGLU MLP activation), with a hand-written VJP.
+
+  Autodiff of silu materialises sigmoid(gate) plus several [.., F] temporaries;
+  here the backward is one elementwise pass over (d_out, gate, up) producing
+  (d_gate, d_up), with sigmoid recomputed in registers. Memory traffic, not
+  arithmetic, bounds these [tokens, F] passes on CPU.
+
+  Args:
+    gate, up: [..., F] in the compute dtype.
+  Returns:
+    [..., F] in the same dtype.
+  """
+  return gate * _sigmoid(gate) * up
+
+
+def _swiglu_fwd(gate, up):
+  return swiglu(gate, up), (gate, up)
+
+
+def _swiglu_bwd(res, d_out):
+  gate, up = res
+  gf, uf, df = (a.astype(jnp.float32) for a in (gate, up, d_out))
+  sig = _sigmoid(gf)
+  silu = gf * sig
+  d_gate = df * uf * sig * (1.0 + gf * (1.0 - sig))
+  return d_gate.astype(gate.dtype), (df * silu).astype(up.dtype)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:
   """x [..., I] @ w [I, O] -> [..., O] as one 2-D matmul.
 
   Flattening the leading dims first matters on XLA:CPU: the weight gradient of a
   3-D @ 2-D product contracts over two dims and was ~2x slower in backward.
+  Accumulates in f32 and casts back to x's dtype (for bf16 this is also what lets
+  XLA:CPU use its AMX/bf16 kernels: 5x faster than a bf16-output dot there).
   """
-  y = x.reshape(-1, x.shape[-1]) @ w
-  return y.reshape(*x.shape[:-1], w.shape[-1])
+  y = jnp.matmul(x.reshape(-1, x.shape[-1]), w, preferred_element_type=jnp.float32)
+  return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1])
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -144,8 +185,49 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
   s = s.reshape(b, kv, g, c, s_len) * (1.0 / math.sqrt(hd))
   s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
   p = jax.nn.softmax(s, axis=-1).astype(v.dtype).reshape(b * kv, g * c, s_len)
-  o = jnp.einsum("nqs,nsd->nqd", p, vt).reshape(b, kv, g, c, hd)
+  o = jnp.einsum("nqs,nsd->nqd", p, vt, preferred_element_type=jnp.float32)
+  o = o.astype(v.dtype).reshape(b, kv, g, c, hd)
   return o.transpose(0, 3, 1, 2, 4).reshape(b, c, h, hd)
+
+
+def attend_causal(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
+  """Causal grouped-query attention that skips the masked upper triangle.
+
+  Query block i (rows i*block .. ) attends only to keys [0, end of block i), so
+  scores, softmax and both products cover ~(S + block) / (2 S) of the full S x S
+  square (56% at S=256, block 32), forward and backward: 1.8x faster than `attend`
+  with a causal mask on XLA:CPU at B=8, S=256, H=8. Same maths as `attend` with
+  mask = tril (rows keep their own position).
+
+  Args:
+    q: [B, S, H, Dh]; k, v: [B, S, KV, Dh] at positions 0..S-1 of the same rows.
+    block: query rows per block (static).
+  Returns:
+    [B, S, H, Dh] in q's dtype.
+  """
+  b, s_len, h, hd = q.shape
+  kv = k.shape[2]
+  g = h // kv
+  qt = q.reshape(b, s_len, kv, g, hd).transpose(0, 2, 1, 3, 4)         # [B,KV,S,G,Dh]
+  kt = k.transpose(0, 2, 1, 3)                                          # [B,KV,S,Dh]
+  vt = v.transpose(0, 2, 1, 3)
+  outs = []
+  for start in range(0, s_len, block):
+    end = min(start + block, s_len)
+    c = end - start
+    qi = qt[:, :, start:end].reshape(b * kv, c * g, hd)                 # rows (pos, g)
+    ki = kt[:, :, :end].reshape(b * kv, end, hd)
+    vi = vt[:, :, :end].reshape(b * kv, end, hd)
+    sc = jnp.einsum("nqd,nsd->nqs", qi, ki, preferred_element_type=jnp.float32)
+    sc = sc * (1.0 / math.sqrt(hd))
+    qpos = start + jnp.arange(c)[:, None, None]
+    allowed = jnp.broadcast_to(jnp.arange(end)[None, None, :] <= qpos, (c, g, end))
+    sc = jnp.where(allowed.reshape(1, c * g, end), sc, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(sc, axis=-1).astype(v.dtype)
+    o = jnp.einsum("nqs,nsd->nqd", p, vi, preferred_element_type=jnp.float32)
+    outs.append(o.astype(q.dtype).reshape(b, kv, c, g, hd))
+  o = jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]
+  return o.transpose(0, 2, 1, 3, 4).reshape(b, s_len, h, hd)
 
 
 def constrain_batch(x: jax.Array) -> jax.Array:
@@ -163,6 +245,38 @@ def constrain_batch(x: jax.Array) -> jax.Array:
     return x
   spec = jax.sharding.PartitionSpec(axes, *([None] * (x.ndim - 1)))
   return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _is_half(dtype) -> bool:
+  return jnp.dtype(dtype).itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def to_bits(x: jax.Array) -> jax.Array:
+  """16-bit float array -> the same bits as uint16 (other dtypes unchanged)."""
+  return jax.lax.bitcast_convert_type(x, jnp.uint16) if _is_half(x.dtype) else x
+
+
+def from_bits(x: jax.Array, dtype) -> jax.Array:
+  """Inverse of `to_bits`: uint16 bits -> `dtype` (other dtypes: astype)."""
+  if x.dtype == jnp.uint16 and _is_half(dtype):
+    return jax.lax.bitcast_convert_type(x, dtype)
+  return x.astype(dtype)
+
+
+def write_cache(buf: jax.Array, idx: tuple, new: jax.Array, dtype) -> jax.Array:
+  """`buf.at[idx].set(new, mode="drop")` for a cache buffer of `dtype` values.
+
+  XLA:CPU has no 16-bit float scatter: it converts the whole bf16 cache to f32 and
+  back around the scatter. So 16-bit caches are scattered as uint16 bits, and
+  decode loops keep their buffers as bits for the whole loop (`to_bits`; XLA:CPU
+  copies on every bitcast-convert): `buf` may be the bits (uint16) or `dtype` itself.
+  """
+  new = new.astype(dtype)
+  if buf.dtype == jnp.uint16:
+    return buf.at[idx].set(to_bits(new), mode="drop")
+  if not _is_half(buf.dtype):
+    return buf.at[idx].set(new, mode="drop")
+  return from_bits(to_bits(buf).at[idx].set(to_bits(new), mode="drop"), buf.dtype)
 
 
 def _attend_one(q, k, v, mask):
@@ -186,7 +300,8 @@ def _attend_one(q, k, v, mask):
                  preferred_element_type=jnp.float32) * (1.0 / math.sqrt(hd))
   s = jnp.where(mask[:, 0, :, None], s, jnp.finfo(jnp.float32).min)
   p = jax.nn.softmax(s, axis=1).astype(v.dtype)                      # [B, S, H]
-  o = jnp.einsum("bsh,bsc->bhc", p, v.reshape(b, s_len, kv * hd))    # [B, H, KV*Dh]
+  o = jnp.einsum("bsh,bsc->bhc", p, v.reshape(b, s_len, kv * hd),
+                 preferred_element_type=jnp.float32)                  # [B, H, KV*Dh]
   o = jnp.einsum("bkgjd,kj->bkgd", o.reshape(b, kv, g, kv, hd), eye)
   return o.reshape(b, 1, h, hd).astype(q.dtype)
 
@@ -231,9 +346,15 @@ class Layers(nnx.Module):
     return {n: getattr(self, n)[...].astype(dtype) for n in names}
 
   def unstacked(self, dtype) -> list[dict[str, jax.Array]]:
-    """Per-layer {name: array} dicts (static slices of `stacked`)."""
+    """Per-layer {name: array} dicts: `stacked` cut by one `split` per name.
+
+    One split (gradient: one concatenate) rather than L slices, whose gradients
+    would be L zero-padded [L, ...] arrays summed together.
+    """
     st = self.stacked(dtype)
-    return [{n: a[i] for n, a in st.items()} for i in range(self.attn_norm.shape[0])]
+    n_layers = self.attn_norm.shape[0]
+    parts = {n: jnp.split(a, n_layers, axis=0) for n, a in st.items()}
+    return [{n: parts[n][i][0] for n in st} for i in range(n_layers)]
 
 
 class Transformer(nnx.Module):
@@ -290,8 +411,7 @@ class Transformer(nnx.Module):
 
   def _mlp(self, p, x):
     h = rms_norm(x, p["mlp_norm"], self.cfg.rms_norm_eps)
-    return x + dense(jax.nn.silu(dense(h, p["w_gate"])) * dense(h, p["w_up"]),
-                     p["w_down"])
+    return x + dense(swiglu(dense(h, p["w_gate"]), dense(h, p["w_up"])), p["w_down"])
 
   def _attn_out(self, p, x, o):
     b, c = o.shape[:2]
@@ -309,21 +429,27 @@ class Transformer(nnx.Module):
     Args:
       tokens: i32[B, S].
       positions: i32[B, S] RoPE positions; default 0..S-1.
-      mask: optional bool[B, S, S] attention mask; default causal.
+      mask: optional bool[B, S, S] attention mask; default causal (then computed
+        block-wise by `attend_causal` when S > cfg.causal_block > 0).
     Returns:
       [B, S, D] in the compute dtype.
     """
     b, s = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    if mask is None:
-      mask = jnp.broadcast_to(jnp.tril(jnp.ones((s, s), bool)), (b, s, s))
+    blk = self.cfg.causal_block
+    if mask is None and 0 < blk < s:
+      attention = lambda q, k, v: attend_causal(q, k, v, blk)  # noqa: E731
+    else:
+      if mask is None:
+        mask = jnp.broadcast_to(jnp.tril(jnp.ones((s, s), bool)), (b, s, s))
+      attention = lambda q, k, v: attend(q, k, v, mask)  # noqa: E731
     x = self.embed_tokens(tokens)
 
     def block(x, p):
       h = rms_norm(x, p["attn_norm"], self.cfg.rms_norm_eps)
       q, k, v = self._qkv(p, h, positions)
-      x = self._attn_out(p, x, attend(q, k, v, mask))
+      x = self._attn_out(p, x, attention(q, k, v))
       return constrain_batch(self._mlp(p, x)), None
 
     if self.loop_layers():
@@ -376,8 +502,8 @@ class Transformer(nnx.Module):
       q, k, v = self._qkv(p, h, positions)
       # Scatter only the B*C new entries into the carried cache (in place), then
       # read this layer's slab for attention.
-      ks = ks.at[layer, rows, slots].set(k.astype(ks.dtype), mode="drop")
-      vs = vs.at[layer, rows, slots].set(v.astype(vs.dtype), mode="drop")
+      ks = write_cache(ks, (layer, rows, slots), k, ks.dtype)
+      vs = write_cache(vs, (layer, rows, slots), v, vs.dtype)
       kl, vl = ks[layer].astype(q.dtype), vs[layer].astype(q.dtype)
       x = self._attn_out(p, x, attend(q, kl, vl, mask))
       return (constrain_batch(self._mlp(p, x)), ks, vs), None
@@ -399,7 +525,8 @@ class Transformer(nnx.Module):
 
     Args:
       layer_params: L dicts from `self.layers.unstacked(dtype)`.
-      ks, vs: L arrays [B, S_max, KV, Dh] each.
+      ks, vs: L arrays [B, S_max, KV, Dh] each, in the cache dtype or, for 16-bit
+        caches, as uint16 bits (`to_bits`; no per-step conversions on XLA:CPU).
       pos: i32[B]; tokens: i32[B, C]; lengths: i32[B].
     Returns:
       (hidden [B, C, D], ks, vs, new pos i32[B]).
@@ -412,9 +539,10 @@ class Transformer(nnx.Module):
     for i, p in enumerate(layer_params):
       h = rms_norm(x, p["attn_norm"], self.cfg.rms_norm_eps)
       q, k, v = self._qkv(p, h, positions)
-      ks[i] = ks[i].at[rows, slots].set(k.astype(ks[i].dtype), mode="drop")
-      vs[i] = vs[i].at[rows, slots].set(v.astype(vs[i].dtype), mode="drop")
-      o = attend(q, ks[i].astype(q.dtype), vs[i].astype(q.dtype), mask)
+      ks[i] = write_cache(ks[i], (rows, slots), k, self.cfg.dtype)
+      vs[i] = write_cache(vs[i], (rows, slots), v, self.cfg.dtype)
+      kd, vd = from_bits(ks[i], self.cfg.dtype), from_bits(vs[i], self.cfg.dtype)
+      o = attend(q, kd.astype(q.dtype), vd.astype(q.dtype), mask)
       x = constrain_batch(self._mlp(p, self._attn_out(p, x, o)))
     x = rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
     return x, tuple(ks), tuple(vs), jnp.minimum(pos + lengths, s_max)
