@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gigrl.models.transformer import KVCache, from_bits, init_cache, to_bits
+from gigrl.models.transformer import KVCache, init_cache
 
 PAD_TOKEN = 0  # written into `tokens` where mask is False
 
@@ -177,8 +177,11 @@ def _kv_ops(model, cache: KVCache):
 
   layers = model.layers.unstacked(model.dtype)          # sliced once, outside the loop
   n = model.cfg.num_layers
-  kv0 = (tuple(to_bits(cache.k[i]) for i in range(n)),
-         tuple(to_bits(cache.v[i]) for i in range(n)), cache.pos)
+  # 16-bit caches are held as f32 inside the loop (see extend_hidden_unstacked):
+  # one conversion per decode call instead of one per layer per step.
+  wide = jnp.promote_types(cache.k.dtype, jnp.float32)
+  kv0 = (tuple(cache.k[i].astype(wide) for i in range(n)),
+         tuple(cache.v[i].astype(wide) for i in range(n)), cache.pos)
 
   def step(kv, tok, act, logits):
     h, ks, vs, pos = model.extend_hidden_unstacked(
@@ -188,8 +191,7 @@ def _kv_ops(model, cache: KVCache):
 
   def finish(kv):
     dt = cache.k.dtype
-    return KVCache(from_bits(jnp.stack(kv[0]), dt), from_bits(jnp.stack(kv[1]), dt),
-                   kv[2])
+    return KVCache(jnp.stack(kv[0]).astype(dt), jnp.stack(kv[1]).astype(dt), kv[2])
 
   return kv0, step, finish
 

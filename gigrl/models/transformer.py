@@ -251,32 +251,18 @@ def _is_half(dtype) -> bool:
   return jnp.dtype(dtype).itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
 
 
-def to_bits(x: jax.Array) -> jax.Array:
-  """16-bit float array -> the same bits as uint16 (other dtypes unchanged)."""
-  return jax.lax.bitcast_convert_type(x, jnp.uint16) if _is_half(x.dtype) else x
-
-
-def from_bits(x: jax.Array, dtype) -> jax.Array:
-  """Inverse of `to_bits`: uint16 bits -> `dtype` (other dtypes: astype)."""
-  if x.dtype == jnp.uint16 and _is_half(dtype):
-    return jax.lax.bitcast_convert_type(x, dtype)
-  return x.astype(dtype)
-
-
-def write_cache(buf: jax.Array, idx: tuple, new: jax.Array, dtype) -> jax.Array:
-  """`buf.at[idx].set(new, mode="drop")` for a cache buffer of `dtype` values.
+def write_cache(buf: jax.Array, idx: tuple, new: jax.Array) -> jax.Array:
+  """`buf.at[idx].set(new, mode="drop")`, in buf's dtype.
 
   XLA:CPU has no 16-bit float scatter: it converts the whole bf16 cache to f32 and
-  back around the scatter. So 16-bit caches are scattered as uint16 bits, and
-  decode loops keep their buffers as bits for the whole loop (`to_bits`; XLA:CPU
-  copies on every bitcast-convert): `buf` may be the bits (uint16) or `dtype` itself.
+  back around the scatter. A 16-bit cache is therefore scattered as uint16 bits.
   """
-  new = new.astype(dtype)
-  if buf.dtype == jnp.uint16:
-    return buf.at[idx].set(to_bits(new), mode="drop")
+  new = new.astype(buf.dtype)
   if not _is_half(buf.dtype):
     return buf.at[idx].set(new, mode="drop")
-  return from_bits(to_bits(buf).at[idx].set(to_bits(new), mode="drop"), buf.dtype)
+  bits = jax.lax.bitcast_convert_type(buf, jnp.uint16)
+  bits = bits.at[idx].set(jax.lax.bitcast_convert_type(new, jnp.uint16), mode="drop")
+  return jax.lax.bitcast_convert_type(bits, buf.dtype)
 
 
 def _attend_one(q, k, v, mask):
@@ -502,8 +488,8 @@ class Transformer(nnx.Module):
       q, k, v = self._qkv(p, h, positions)
       # Scatter only the B*C new entries into the carried cache (in place), then
       # read this layer's slab for attention.
-      ks = write_cache(ks, (layer, rows, slots), k, ks.dtype)
-      vs = write_cache(vs, (layer, rows, slots), v, vs.dtype)
+      ks = write_cache(ks, (layer, rows, slots), k)
+      vs = write_cache(vs, (layer, rows, slots), v)
       kl, vl = ks[layer].astype(q.dtype), vs[layer].astype(q.dtype)
       x = self._attn_out(p, x, attend(q, kl, vl, mask))
       return (constrain_batch(self._mlp(p, x)), ks, vs), None
@@ -525,8 +511,9 @@ class Transformer(nnx.Module):
 
     Args:
       layer_params: L dicts from `self.layers.unstacked(dtype)`.
-      ks, vs: L arrays [B, S_max, KV, Dh] each, in the cache dtype or, for 16-bit
-        caches, as uint16 bits (`to_bits`; no per-step conversions on XLA:CPU).
+      ks, vs: L arrays [B, S_max, KV, Dh] each, in the cache dtype or wider (the
+        CPU decode loop holds a bf16 cache as f32: XLA:CPU has no bf16 x bf16 -> f32
+        batched dot and would convert every layer's cache slab every step).
       pos: i32[B]; tokens: i32[B, C]; lengths: i32[B].
     Returns:
       (hidden [B, C, D], ks, vs, new pos i32[B]).
@@ -539,10 +526,11 @@ class Transformer(nnx.Module):
     for i, p in enumerate(layer_params):
       h = rms_norm(x, p["attn_norm"], self.cfg.rms_norm_eps)
       q, k, v = self._qkv(p, h, positions)
-      ks[i] = write_cache(ks[i], (rows, slots), k, self.cfg.dtype)
-      vs[i] = write_cache(vs[i], (rows, slots), v, self.cfg.dtype)
-      kd, vd = from_bits(ks[i], self.cfg.dtype), from_bits(vs[i], self.cfg.dtype)
-      o = attend(q, kd.astype(q.dtype), vd.astype(q.dtype), mask)
+      # k/v are rounded to the model dtype first, so a wider (f32) buffer holds
+      # exactly the values a model-dtype cache would.
+      ks[i] = write_cache(ks[i], (rows, slots), k.astype(self.dtype))
+      vs[i] = write_cache(vs[i], (rows, slots), v.astype(self.dtype))
+      o = attend(q, ks[i], vs[i], mask)
       x = constrain_batch(self._mlp(p, self._attn_out(p, x, o)))
     x = rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
     return x, tuple(ks), tuple(vs), jnp.minimum(pos + lengths, s_max)
