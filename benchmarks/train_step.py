@@ -20,6 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _threads  # noqa: E402,F401  (before jax: sets XLA_FLAGS from --threads)
+from _gemm_floor import train_gemm_seconds  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -134,7 +135,9 @@ def main(argv=None):
                                    args.steps, args.chunk)
     t_t, c_t, loss_t = bench_torch(hf_model, tokens, args.warmup, args.steps)
     n = args.batch * args.seq
-    rows.append((name, n / t_j, n / t_t, n / c_j, n / c_t, loss_j, loss_t))
+    g_xla, g_torch = train_gemm_seconds(cfg, n)
+    rows.append((name, n / t_j, n / t_t, n / c_j, n / c_t, loss_j, loss_t, t_j, t_t,
+                 g_xla, g_torch))
     print(f"  {name}: gigrl {t_j * 1e3:.0f} ms/step ({c_j * 1e3:.0f} cpu), torch "
           f"{t_t * 1e3:.0f} ms/step ({c_t * 1e3:.0f} cpu)", flush=True)
   print(f"\nbatch {args.batch} x seq {args.seq}, vocab {args.vocab}, f32, AdamW, CPU, "
@@ -142,9 +145,18 @@ def main(argv=None):
   print("| config | gigrl tok/s (wall) | torch tok/s (wall) | ratio (wall) | "
         "gigrl tok/s (cpu) | torch tok/s (cpu) | ratio (cpu) | last loss gigrl / torch |")
   print("|---|---|---|---|---|---|---|---|")
-  for name, j, t, jc, tc, lj, lt in rows:
+  for name, j, t, jc, tc, lj, lt, *_ in rows:
     print(f"| {name} | {j:,.0f} | {t:,.0f} | {j / t:.2f}x | {jc:,.0f} | {tc:,.0f} | "
           f"{jc / tc:.2f}x | {lj:.4f} / {lt:.4f} |")
+  print("\nWeight GEMMs alone (x @ W, dY @ W^T, X^T @ dY for every kernel and the LM "
+        "head;\n_gemm_floor.py) against each side's whole step; 'other' = step - GEMMs "
+        "(attention,\nsoftmax/loss, norms, activations, optimizer).")
+  print("| config | XLA GEMMs (ms) | torch GEMMs (ms) | gigrl step (ms) | torch step (ms) | "
+        "gigrl other (ms) | torch other (ms) |")
+  print("|---|---|---|---|---|---|---|")
+  for name, *_, s_j, s_t, g_x, g_t in rows:
+    print(f"| {name} | {g_x * 1e3:.0f} | {g_t * 1e3:.0f} | {s_j * 1e3:.0f} | "
+          f"{s_t * 1e3:.0f} | {(s_j - g_x) * 1e3:.0f} | {(s_t - g_t) * 1e3:.0f} |")
   return rows
 
 
