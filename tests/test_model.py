@@ -112,6 +112,18 @@ def test_config_validation_and_overrides():
     validate(c)
 
 
+def test_causal_block_follows_preset_unless_set():
+  c = default_config()
+  assert model_config_from(c).causal_block == 0           # tiny preset: dense
+  c.preset = "small"
+  assert model_config_from(c).causal_block == 32
+  c.causal_block = 16
+  assert model_config_from(c).causal_block == 16
+  c.causal_block = -2
+  with pytest.raises(ConfigError, match="model.causal_block"):
+    validate(c)
+
+
 def test_presets_param_counts():
   # Published sizes: Qwen2.5-0.5B 494M, 1.5B 1.54B, 7B 7.62B; Llama-3.2-1B 1.24B.
   assert abs(PRESETS["qwen2.5-0.5b"].num_params / 1e9 - 0.494) < 0.01
