@@ -3,7 +3,9 @@
 A decoder step or a training step of these small models is mostly matrix products with
 the weights. Timing exactly those products, with nothing else, on both backends says
 how fast each side could possibly be here, and so which ratios are reachable at all.
-The weights are random (values do not change GEMM speed) in the benchmark's dtype.
+The weights are random (values do not change GEMM speed); decode products run in the
+model's dtype (f32 accumulation, as gigrl's `dense`), training products in f32 (the
+train benchmark's dtype).
 
 * `decode_gemm_seconds(cfg, batch)`: one decode step's products, x[batch, D] times
   every layer's q/k/v/o/gate/up/down kernel and the LM head.
@@ -12,11 +14,10 @@ The weights are random (values do not change GEMM speed) in the benchmark's dtyp
 """
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _timing import timed_runs
 
 
 def _kernel_shapes(cfg):
@@ -27,16 +28,11 @@ def _kernel_shapes(cfg):
 
 
 def _best(fn, repeats):
-  fn()
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return min(times)
+  return min(timed_runs(fn, repeats)[0])
 
 
-def _arrays(shapes, rows, dtype, seed=0):
+def _arrays(shapes, rows, seed=0):
+  """f32 numpy (kernels, inputs [rows, in], output grads [rows, out]) per shape."""
   rng = np.random.RandomState(seed)
   ws = [(0.02 * rng.randn(*s)).astype(np.float32) for s in shapes]
   xs = [rng.randn(rows, s[0]).astype(np.float32) for s in shapes]
@@ -48,7 +44,7 @@ def decode_gemm_seconds(cfg, batch: int, repeats: int = 20) -> tuple[float, floa
   """(XLA s, torch s) for one decode step's weight GEMMs at `batch` rows."""
   import torch
   shapes = _kernel_shapes(cfg)
-  ws, xs, _ = _arrays(shapes, batch, cfg.dtype)
+  ws, xs, _ = _arrays(shapes, batch)
   dt = jnp.dtype(cfg.dtype)
   jw = [jnp.asarray(w, dt) for w in ws]
   jx = [jnp.asarray(x, dt) for x in xs]
@@ -70,17 +66,23 @@ def train_gemm_seconds(cfg, tokens: int, repeats: int = 3) -> tuple[float, float
   """(XLA s, torch s) for a training step's weight GEMMs (fwd, dX, dW) on `tokens` rows."""
   import torch
   shapes = _kernel_shapes(cfg)
-  ws, xs, dys = _arrays(shapes, tokens, cfg.dtype)
+  ws, xs, dys = _arrays(shapes, tokens)
 
-  @jax.jit
-  def step(ws, xs, dys):
+  def step(ws, xs, dys, outs):
+    del outs   # donated: the products are written into these buffers, no fresh ones
     out = []
     for w, x, dy in zip(ws, xs, dys):
       out += [x @ w, dy @ w.T, jnp.einsum("ni,no->io", x, dy)]
     return out
 
   j = [[jnp.asarray(a) for a in arrs] for arrs in (ws, xs, dys)]
-  t_xla = _best(lambda: jax.block_until_ready(step(*j)), repeats)
+  box = [[jnp.zeros(a.shape, a.dtype) for a in jax.eval_shape(step, *j, None)]]
+  step_jit = jax.jit(step, donate_argnums=(3,))
+
+  def run():
+    box[0] = jax.block_until_ready(step_jit(*j, box[0]))
+
+  t_xla = _best(run, repeats)
   tw, tx, tdy = [[torch.from_numpy(a) for a in arrs] for arrs in (ws, xs, dys)]
 
   def torch_step():

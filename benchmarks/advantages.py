@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import jax
 import numpy as np
+from _timing import timed_runs
 
 from gigrl import advantages as adv_api
 from gigrl.advantages import anchors
@@ -138,12 +138,8 @@ def np_hadw(b, state):
 
 # ------------------------------------------------------------------ timing
 def median_time(fn, reps):
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times)) * 1e3
+  """Median wall milliseconds of `reps` calls (the caller warms up)."""
+  return float(np.median(timed_runs(fn, reps, warmup=0)[0])) * 1e3
 
 
 def gigrl_runner(name, b):

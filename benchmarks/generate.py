@@ -20,11 +20,11 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _threads  # noqa: E402,F401  (before jax: sets XLA_FLAGS from --threads)
 from _gemm_floor import decode_gemm_seconds  # noqa: E402
+from _timing import timed_runs  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -37,18 +37,8 @@ CONFIGS = {"h256-l4": "small", "h512-l8": "medium"}
 
 
 def _best(fn, repeats):
-  """(best wall seconds, best process-CPU seconds, output) after one warm-up run.
-
-  CPU time is the robust number on a shared machine when both sides run
-  single-threaded (--threads 1): it does not count time spent descheduled.
-  """
-  fn()                                                         # warm-up / compile
-  wall, cpu = [], []
-  for _ in range(repeats):
-    t0, c0 = time.perf_counter(), time.process_time()
-    out = fn()
-    wall.append(time.perf_counter() - t0)
-    cpu.append(time.process_time() - c0)
+  """(best wall seconds, best process-CPU seconds, output) after one warm-up run."""
+  wall, cpu, out = timed_runs(fn, repeats)
   return min(wall), min(cpu), out
 
 

@@ -16,11 +16,11 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _threads  # noqa: E402,F401  (before jax: sets XLA_FLAGS from --threads)
 from _gemm_floor import train_gemm_seconds  # noqa: E402
+from _timing import timed_runs  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -49,14 +49,7 @@ def make_gigrl_step(g, tx, chunk):
 
 def _median_time(step_fn, warmup, steps):
   """(median wall s, median process-CPU s, last loss) per step after warm-up."""
-  for _ in range(warmup):
-    step_fn()
-  wall, cpu = [], []
-  for _ in range(steps):
-    t0, c0 = time.perf_counter(), time.process_time()
-    loss = step_fn()
-    wall.append(time.perf_counter() - t0)
-    cpu.append(time.process_time() - c0)
+  wall, cpu, loss = timed_runs(step_fn, steps, warmup)
   return float(np.median(wall)), float(np.median(cpu)), loss
 
 

@@ -199,12 +199,15 @@ def _apply_overrides(base: ModelConfig, cfg_model: Any,
     kw["tie_embeddings"] = cfg_model.tie_embeddings == "true"
   if vocab_size and not cfg_model.get("vocab_size", 0):
     kw["vocab_size"] = int(vocab_size)
-  kw["dtype"] = cfg_model.get("dtype", base.dtype)
-  kw["param_dtype"] = cfg_model.get("param_dtype", base.param_dtype)
-  kw["remat"] = cfg_model.get("remat", base.remat)
-  if cfg_model.get("causal_block", -1) >= 0:
+  return dataclasses.replace(base, **kw, **_compute_overrides(cfg_model, base))
+
+
+def _compute_overrides(cfg_model: Any, base: ModelConfig) -> dict[str, Any]:
+  """The fields the section sets for presets and HF checkpoints alike."""
+  kw = {k: cfg_model.get(k, getattr(base, k)) for k in ("dtype", "param_dtype", "remat")}
+  if cfg_model.get("causal_block", -1) >= 0:       # -1 = the preset's value
     kw["causal_block"] = int(cfg_model.causal_block)
-  return dataclasses.replace(base, **kw)
+  return kw
 
 
 def model_config_from(cfg_model: Any, vocab_size: int | None = None) -> ModelConfig:
@@ -224,9 +227,5 @@ def model_config_from(cfg_model: Any, vocab_size: int | None = None) -> ModelCon
       raise ConfigError("model.hf_path", cfg_model.hf_path,
                         f"a checkpoint whose vocab ({base.vocab_size}) covers the "
                         f"tokenizer's {vocab_size} ids")
-    sizes_ok = {"dtype", "param_dtype", "remat"}
-    kw = {k: cfg_model.get(k, getattr(base, k)) for k in sizes_ok}
-    if cfg_model.get("causal_block", -1) >= 0:
-      kw["causal_block"] = int(cfg_model.causal_block)
-    return dataclasses.replace(base, **kw)
+    return dataclasses.replace(base, **_compute_overrides(cfg_model, base))
   return _apply_overrides(PRESETS[cfg_model.preset], cfg_model, vocab_size)

@@ -122,8 +122,10 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature, *, top_k: int 
                   row_max: jax.Array | None = None) -> jax.Array:
   """logits f32[B, V] -> i32[B].
 
-  Greedy = first argmax; otherwise Gumbel-max over the filtered logits, drawing the
-  same noise as `jax.random.categorical(key, x)` (identical samples).
+  Greedy = first argmax; otherwise the Gumbel-max trick (argmax of logits plus
+  Gumbel(0, 1) noise samples softmax(logits); Gumbel 1954, Maddison et al. 2014)
+  over the filtered logits, drawing the same noise as
+  `jax.random.categorical(key, x)` (identical samples).
   `row_max`: optional logits.max(-1, keepdims=True), reused for greedy.
   """
   if greedy:
