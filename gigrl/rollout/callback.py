@@ -519,21 +519,7 @@ class CallbackEngine:
     return logits, cache
 
 
-def make_engine(kind: str, model_cfg, graphdef, tokenizer, retriever,
-                settings: RolloutSettings, *, mesh: Mesh | None = None, **callback_kw) -> Any:
-  """``rollout.engine`` dispatch: ``'host_loop'`` or ``'callback'``.
-
-  ``callback_kw`` (``boundary``, ``obs_chunk``) go to :class:`CallbackEngine` only.
-
-  Raises:
-    ValueError: unknown ``kind``, or ``callback_kw`` given for the host loop.
-  """
-  if kind == "host_loop":
-    if callback_kw:
-      raise ValueError(f"options {sorted(callback_kw)} only apply to rollout.engine=callback")
-    return host_loop.HostLoopEngine(model_cfg, graphdef, tokenizer, retriever, settings,
-                                    mesh=mesh)
-  if kind == "callback":
-    return CallbackEngine(model_cfg, graphdef, tokenizer, retriever, settings, mesh=mesh,
-                          **callback_kw)
-  raise ValueError(f"rollout.engine={kind!r}; expected 'host_loop' or 'callback'")
+def make_engine(*args, **kwargs):
+  """Deprecated alias of :func:`gigrl.rollout.engine.make_engine`."""
+  from gigrl.rollout import engine  # pylint: disable=import-outside-toplevel
+  return engine.make_engine(*args, **kwargs)

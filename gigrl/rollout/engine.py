@@ -1,0 +1,83 @@
+"""The rollout interface: :class:`RolloutEngine` and the ``rollout.engine`` factory.
+
+An engine turns a batch of questions into a :class:`~gigrl.rollout.trajectory.TrajectoryBatch` of
+Search-R1 trajectories (prompt, then per turn the generated tokens and the observation) with the
+policy's current parameters. Two engines implement it:
+
+  * ``host_loop`` (:class:`gigrl.rollout.host_loop.HostLoopEngine`): one jitted decode per turn,
+    the host parses actions and searches between turns;
+  * ``callback`` (:class:`gigrl.rollout.callback.CallbackEngine`): the whole rollout is one jitted
+    program; turn boundaries call the host through ``io_callback``.
+
+Both share the turn dispatch and the decode step (:mod:`gigrl.rollout.turns`,
+:func:`gigrl.models.sampler.decode_step`), so they produce the same batch for greedy decoding.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+import jax
+
+from gigrl.rollout import turns
+from gigrl.rollout.trajectory import TrajectoryBatch
+
+RolloutSettings = turns.RolloutSettings
+settings_from_config = turns.settings_from_config
+ENGINES = ("host_loop", "callback")
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+  """Anything that rolls out a batch of Search-R1 trajectories."""
+
+  def run(self, params, questions: Sequence[str], key: jax.Array
+          ) -> tuple[TrajectoryBatch, dict[str, float]]:
+    """Rolls out one trajectory per question (repeat a question G times for a group).
+
+    Args:
+      params: the policy's ``nnx.State`` (from ``nnx.split(model)``), on any mesh.
+      questions: B question strings; row i of the batch belongs to ``questions[i]``.
+      key: PRNG key; the rollout is a deterministic function of (params, questions, key) for a
+        given engine and device count.
+    Returns:
+      ``(batch, metrics)``: ``batch`` has B rows of width ``settings.seq_len`` (tokens i32[B, S],
+      loss_mask f32[B, S], step_ids i32[B, S], lengths i32[B], search_calls i32[B],
+      num_steps i32[B], per-row texts, anchors and action validity); on several processes each
+      process holds all B rows. ``metrics`` holds at least ``time/decode_s``,
+      ``time/search_s`` (seconds) and ``rollout/generated_tokens`` (count).
+    Raises:
+      ValueError: a prompt is longer than ``settings.max_prompt_tokens``, or the retriever
+        returned a wrong number of result lists.
+    """
+    ...
+
+
+def make_engine(kind: str, model_cfg, graphdef, tokenizer, retriever,
+                settings: RolloutSettings, *, mesh: jax.sharding.Mesh | None = None,
+                **callback_kw) -> RolloutEngine:
+  """``rollout.engine`` dispatch: ``'host_loop'`` or ``'callback'``.
+
+  Args:
+    kind: ``'host_loop'`` or ``'callback'``.
+    model_cfg, graphdef: the policy's ``ModelConfig`` and ``nnx.GraphDef``.
+    tokenizer: a :class:`gigrl.data.tokenizer.Tokenizer`.
+    retriever: a :class:`gigrl.search.base.Retriever`.
+    settings: rollout options (:class:`RolloutSettings`).
+    mesh: the devices to roll out on (host loop: the KV cache is sharded over its axes;
+      callback: the batch is split over all its devices). Default: no mesh / all devices.
+    callback_kw: ``boundary``, ``obs_chunk`` for :class:`CallbackEngine` only.
+  Raises:
+    ValueError: unknown ``kind``, or ``callback_kw`` given for the host loop.
+  """
+  # Imported here: both engine modules import this package's shared modules.
+  from gigrl.rollout import callback  # pylint: disable=import-outside-toplevel
+  from gigrl.rollout import host_loop  # pylint: disable=import-outside-toplevel
+  if kind == "host_loop":
+    if callback_kw:
+      raise ValueError(f"options {sorted(callback_kw)} only apply to rollout.engine=callback")
+    return host_loop.HostLoopEngine(model_cfg, graphdef, tokenizer, retriever, settings,
+                                    mesh=mesh)
+  if kind == "callback":
+    return callback.CallbackEngine(model_cfg, graphdef, tokenizer, retriever, settings,
+                                   mesh=mesh, **callback_kw)
+  raise ValueError(f"rollout.engine={kind!r}; expected one of {ENGINES}")
