@@ -1,4 +1,7 @@
-"""Golden-vector tests: every ``*.json`` in ../shared/golden and $GIGRL_GOLDEN_DIR.
+"""Golden-vector tests: every ``*.json`` in tests/golden and $GIGRL_GOLDEN_DIR.
+
+``GIGRL_GOLDEN_DIR`` lists more folders (``os.pathsep``-separated) of cases of
+the same methods; provenance of the bundled files: tests/golden/README.md.
 
 One test per file. The file's ``method`` picks a checker; every parameter,
 input and output key must be known to that checker, otherwise the test fails
@@ -23,19 +26,19 @@ from gigrl.advantages import anchors, gigpo, grpo, hadw, stratified
 from gigrl.data import pool as pool_lib
 
 RTOL, ATOL = 1e-5, 1e-6
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
+GOLDEN = Path(__file__).resolve().parent / "golden"
 
 
 def _golden_files():
-  dirs = [SHARED] + [Path(d) for d in
-                     os.environ.get("GIGRL_GOLDEN_DIR", "").split(":") if d]
+  dirs = [GOLDEN] + [Path(d) for d in
+                     os.environ.get("GIGRL_GOLDEN_DIR", "").split(os.pathsep)
+                     if d]
   files = []
   for d in dirs:
-    if not d.is_dir():
+    found = sorted(d.glob("*.json")) if d.is_dir() else []
+    if not found:       # a missing or empty folder fails, never skips
       files.append(pytest.param(d, id=f"MISSING:{d}"))
-      continue
-    files += [pytest.param(f, id=f"{d.name}/{f.name}")
-              for f in sorted(d.glob("*.json"))]
+    files += [pytest.param(f, id=f"{d.name}/{f.name}") for f in found]
   return files
 
 
@@ -397,9 +400,8 @@ CHECKERS = (
 @pytest.mark.parametrize("path", _golden_files())
 def test_golden(path):
   assert path.is_file(), (
-      f"golden directory {path} is missing: the shared folder must sit at "
-      f"../shared beside the checkout ({SHARED}), and every GIGRL_GOLDEN_DIR "
-      "entry must exist")
+      f"golden directory {path} is missing or has no *.json: {GOLDEN} ships "
+      "with the repo and every GIGRL_GOLDEN_DIR entry must hold cases")
   case = json.loads(path.read_text())
   method = case.get("method", "<no method field>")
   checkers = [fn for prefix, fn in CHECKERS if method.startswith(prefix)]
