@@ -1,8 +1,8 @@
 """Device mesh and partition-spec presets for training (FSDP, opt. TP) and rollout (TP).
 
 Mesh axes are `('data', 'fsdp', 'tp')`, all `AxisType.Auto` (jax 0.10's
-`make_mesh` default is Explicit, which breaks embedding gathers; see
-shared/notes/API_FACTS.md (a)). Parameters follow the Megatron-LM layout (Shoeybi
+`make_mesh` default is Explicit, which breaks embedding gathers; see the
+`jax.sharding.AxisType` docs and Tunix `docs/models.md`). Parameters follow the Megatron-LM layout (Shoeybi
 et al., arXiv:1909.08053) with ZeRO-3/FSDP sharding of the other dimension
 (Rajbhandari et al., arXiv:1910.02054), the same split Tunix's qwen2 ShardingConfig
 uses:

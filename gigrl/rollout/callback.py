@@ -46,7 +46,7 @@ Differences from the host loop:
     texts, and an all-gather of the host records is not implemented.
 
 References: Search-R1 ``generation.py``; JAX ``jax.experimental.io_callback`` and
-``jax.shard_map`` docs; ``shared/notes/API_FACTS.md`` (b).
+``jax.shard_map`` docs (per-shard callbacks run concurrently, one per device).
 """
 from __future__ import annotations
 

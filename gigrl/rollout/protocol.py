@@ -2,7 +2,7 @@
 
 Reference: PeterGriffinJin/Search-R1 @ a14dc3a (``scripts/data_process/nq_search.py`` for the
 template, ``search_r1/llm_agent/generation.py`` for action parsing, observations and the
-invalid-action message); see ``shared/spec/SEARCH_AGENTS.md`` §1.1-1.3.
+invalid-action message); Jin et al., Search-R1 (arXiv 2503.09516).
 """
 from __future__ import annotations
 
