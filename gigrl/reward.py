@@ -1,7 +1,7 @@
 """Reward: SQuAD-normalised exact match of the last ``<answer>`` in the *generated* text.
 
 Reference: Search-R1 ``verl/utils/reward_score/qa_em.py`` (``normalize_answer``, ``em_check``,
-``extract_solution``), with one deliberate difference (SEARCH_AGENTS.md §1.8): Search-R1 decodes
+``extract_solution``), with one deliberate difference: Search-R1 decodes
 prompt + response, and the prompt's own ``<answer> Beijing </answer>`` example then scores as an
 answer. gigrl parses only the text the policy generated (observations excluded), so a rollout
 with no answer gets 0.

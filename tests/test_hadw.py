@@ -11,7 +11,7 @@ from gigrl.advantages import grpo, hadw
 
 
 class NumpyHadw:
-  """Step-by-step reference of the three variants (ESTIMATORS.md §5)."""
+  """Step-by-step reference of the three variants (HA-DW, arXiv 2601.08521)."""
 
   def __init__(self, variant, eta=0.1, lam=None, window=3):
     self.variant, self.eta, self.window = variant, eta, window

@@ -2,7 +2,7 @@
 
 One module per estimator (``grpo``, ``stratified``, ``gigpo``, ``hadw``), host
 side anchor grouping in ``anchors``, and the config-driven composition in
-``compose`` (re-exported here). See ESTIMATORS.md in the shared spec.
+``compose`` (re-exported here). Each module cites its paper and reference code.
 """
 from gigrl.advantages.compose import AdvantageConfig
 from gigrl.advantages.compose import AdvantageInputs

@@ -1,7 +1,7 @@
 """Host-side anchor-state grouping for GiGPO -> ``anchor_ids int32[P, G, T]``.
 
 Reference: verl-agent@2716b30b ``gigpo/core_gigpo.py::build_step_group`` and
-``to_hashable`` (ESTIMATORS.md §3.4). Groups are formed **within each prompt
+``to_hashable`` (GiGPO Eq. 6). Groups are formed **within each prompt
 group only**, across all time steps and trajectories of that prompt.
 
 * exact grouping: the key is the observation made hashable (str/int/float/bool

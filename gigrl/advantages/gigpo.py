@@ -4,7 +4,7 @@ Reference: langfengQ/verl-agent@2716b30b ``gigpo/core_gigpo.py``
 (``compute_step_discounted_returns``, ``episode_norm_reward``,
 ``step_norm_reward``, ``compute_gigpo_outcome_advantage``); Feng et al.,
 arXiv 2505.10978, Eqs. 3, 5-8 (equation numbers from the code comments).
-ESTIMATORS.md §3 gives the details reproduced here on gigrl's padded layout:
+The details, reproduced here on gigrl's padded layout:
 
 * a *row* is one valid step ``(p, g, t)`` (``valid[p,g] & step_valid[p,g,t]``);
 * step return (Eq. 5): ``R_t = r_t + gamma * R_{t+1}`` over the valid steps of

@@ -1,7 +1,7 @@
 """GRPO and Dr. GRPO outcome advantages over padded prompt groups.
 
-Follows verl ``compute_grpo_outcome_advantage`` (ESTIMATORS.md §2.1,
-volcengine/verl@b178a3cd ``verl/trainer/ppo/core_algos.py``):
+Follows verl ``compute_grpo_outcome_advantage``
+(volcengine/verl@b178a3cd ``verl/trainer/ppo/core_algos.py``):
 
 * group statistics over the valid members of each prompt group, unbiased
   std (``torch.std``, ddof=1), ``eps = 1e-6`` added to the std;
@@ -181,7 +181,7 @@ def grpo_advantages(rewards: jax.Array, valid: jax.Array, *,
                     singleton: str = "raw") -> jax.Array:
   """GRPO / Dr. GRPO outcome advantage per trajectory (verl convention).
 
-  Reference: verl ``compute_grpo_outcome_advantage`` (ESTIMATORS.md §2.1);
+  Reference: verl ``compute_grpo_outcome_advantage`` (b178a3cd);
   DeepSeekMath (arXiv 2402.03300) outcome supervision
   ``A_i = (r_i - mean(r)) / std(r)``; Dr. GRPO drops the division.
 

@@ -1,7 +1,7 @@
 """HA-DW: history-aware adaptive difficulty weighting (a multiplicative Φ).
 
 Yang et al., "Your Group-Relative Advantage Is Biased", arXiv 2601.08521 v2,
-Eqs. 7-16 (ESTIMATORS.md §5). Φ multiplies whatever advantage the other
+Eqs. 7-16. Φ multiplies whatever advantage the other
 estimators produce::
 
   diff_p = p̂_p - C          (p̂_p: prompt p's mean reward, C: the anchor)

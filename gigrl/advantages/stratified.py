@@ -1,7 +1,7 @@
 """Stratified GRPO: stratified advantage normalisation (SAN) and the blend.
 
-Zhu et al., "Stratified GRPO" (arXiv 2510.06214), as specified in
-ESTIMATORS.md §4 (formulas from secondary sources, no public code):
+Zhu et al., "Stratified GRPO" (arXiv 2510.06214); the formulas follow the
+paper's abstract and public reviews of it (no public code):
 
 * strata partition each prompt's group (key: number of search calls);
 * SAN: ``A_SAN,i = (R_i - mean_k) / (std_k + eps)`` inside stratum ``k``;
@@ -111,8 +111,8 @@ def stratified_advantages(rewards: jax.Array, valid: jax.Array,
                           singleton_group: str = "zero") -> jax.Array:
   """Blended Stratified GRPO advantage ``alpha*A_SAN + (1-alpha)*A_GN``.
 
-  Reference: Stratified GRPO (arXiv 2510.06214) abstract + ESTIMATORS.md
-  §4.1; golden ``stratified_san_*`` (independent numpy implementation).
+  Reference: Stratified GRPO (arXiv 2510.06214), SAN and the blend;
+  golden ``stratified_san_*`` (independent numpy implementation).
 
   Args:
     rewards: f32[P, G] outcome rewards.
@@ -136,7 +136,7 @@ def stratified_advantages(rewards: jax.Array, valid: jax.Array,
 
 def stratum_diagnostics(rewards: jax.Array, valid: jax.Array,
                         strata: jax.Array) -> dict[str, jax.Array]:
-  """Per-step diagnostics of ESTIMATORS.md §4.1, averaged over prompts.
+  """Per-step Stratified GRPO (arXiv 2510.06214) diagnostics, prompt mean.
 
   * ``cross_stratum_bias``: per prompt, the unweighted mean over its strata of
     ``|R̄_k - R̄|`` (Prop. 1's bias term), averaged over prompts with >= 1

@@ -1,4 +1,4 @@
-"""Query pool with zero-variance recycling (ESTIMATORS.md §6).
+"""Query pool with zero-variance recycling.
 
 Coelho et al., "Effective RL for Agentic Search by Recycling Zero-Variance
 Queries During Training" (arXiv 2606.10709), from secondary descriptions; the

@@ -22,7 +22,7 @@ When the boundary is due is the ``boundary`` option:
     about 100x a decode step on a CPU. ``benchmarks/rollout.py`` measures both.
 
 The protocol and outputs are those of :class:`gigrl.rollout.host_loop.HostLoopEngine` (Search-R1
-``search_r1/llm_agent/generation.py``; SEARCH_AGENTS.md §1.2-1.3). Token buffers, loss mask and
+``search_r1/llm_agent/generation.py`` @ a14dc3a). Token buffers, loss mask and
 step ids are written inside the program at the cache slots (a trajectory's tokens are exactly
 what its KV cache holds). Texts, anchors, action validity and search counts are recorded on the
 host, keyed by the global row ids that the program passes to the callback.

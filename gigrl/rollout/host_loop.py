@@ -3,7 +3,7 @@
 Each turn is one jitted ``decode`` (a ``lax.while_loop`` over the KV cache) that stops every row
 at ``</search>``, ``</answer>``, EOS or its token budget; the host then parses actions, calls the
 retriever once for all the turn's queries, and feeds the observations back with one jitted
-``extend``. Protocol: Search-R1 ``search_r1/llm_agent/generation.py`` (SEARCH_AGENTS.md §1.2):
+``extend``. Protocol: Search-R1 ``search_r1/llm_agent/generation.py`` @ a14dc3a:
 ``max_turns`` turns with search, then one final turn in which a search gets no observation.
 """
 from __future__ import annotations
