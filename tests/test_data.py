@@ -16,9 +16,9 @@ def _write(tmp_path, name, lines):
 def test_bundled_data_loads():
   corpus = qa.load_bundled_corpus()
   questions = qa.load_bundled_questions()
-  assert len(corpus) == 11103 + 457
+  assert len(corpus) == 11103 + 457 + 1008          # + countries (4 per country)
   assert len({d.id for d in corpus}) == len(corpus)
-  assert len(questions) == 500 + 500 + 125 + 89
+  assert len(questions) == 500 + 500 + 125 + 89 + 4842
   assert all(q.golden_answers for q in questions)
   title, text = qa.split_title(corpus[0].contents)
   assert title == "1973 Pro Bowl" and text.startswith("The 1973 Pro Bowl")

@@ -5,6 +5,9 @@ Formats (Search-R1 `scripts/data_process/*.py`, FlashRAG_datasets):
     (``id`` optional; R1-Searcher's ``{"question", "answer": str}`` is accepted too);
   * corpus: one JSON object per line, ``{"id": str, "contents": "\\"Title\\"\\ntext"}``.
 
+An optional ``"split": "train" | "eval"`` pins a question's side of the train/eval split (the
+``countries`` set splits by country this way); rows without it are split by hash.
+
 A malformed row raises :class:`DataError` naming the file, the 1-based line and the field.
 """
 from __future__ import annotations
@@ -29,11 +32,13 @@ class DataError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Question:
-  """One QA example. ``golden_answers`` is a non-empty tuple of strings."""
+  """One QA example. ``golden_answers`` is a non-empty tuple of strings; ``split`` is '' (hash
+  split) or a pinned 'train' / 'eval'."""
   id: str
   question: str
   golden_answers: tuple[str, ...]
   data_source: str
+  split: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,11 +58,13 @@ BUNDLED_QUESTION_FILES = (
     "r1searcher_retrieved/2wikimultihopqa_questions.jsonl",
     "r1searcher_retrieved/bamboogle_questions.jsonl",
     "ircot_fewshot/questions.jsonl",
+    "countries/questions.jsonl",      # gigrl.data.countries (GeoNames), split pinned by country
 )
 # Corpus files and the id namespace each gets when merged (ids collide otherwise).
 BUNDLED_CORPUS_FILES = (
     ("r1searcher_retrieved/corpus.jsonl", ""),
     ("ircot_fewshot/corpus.jsonl", "ircot-"),
+    ("countries/corpus.jsonl", ""),   # ids already 'countries-<ISO2>-<kind>'
 )
 # Whole sets held out for evaluation (out-of-domain, as in Search-R1's tables).
 EVAL_ONLY_SOURCES = ("bamboogle",)
@@ -96,7 +103,10 @@ def _parse_question(path: str, lineno: int, row: dict, default_source: str) -> Q
   source = row.get("data_source", default_source)
   if not isinstance(source, str):
     raise DataError(path, lineno, "data_source", f"expected a string, got {source!r}")
-  return Question(str(qid), q.strip(), tuple(a.strip() for a in answers), source)
+  split = row.get("split", "")
+  if split not in ("", "train", "eval"):
+    raise DataError(path, lineno, "split", f"expected 'train' or 'eval', got {split!r}")
+  return Question(str(qid), q.strip(), tuple(a.strip() for a in answers), source, split)
 
 
 def load_questions(path: str, data_source: str | None = None) -> list[Question]:
@@ -174,11 +184,14 @@ def normalize_answer(s: str) -> str:
 
 
 def is_eval_question(q: Question, eval_percent: int) -> bool:
-  """Fixed split rule: eval iff the set is eval-only or hash(question) % 100 < eval_percent.
+  """Fixed split rule: a pinned ``q.split`` wins; else eval iff the set is eval-only or
+  hash(question) % 100 < eval_percent.
 
   The key is the normalised question text, so a question duplicated across sets lands on
   the same side (no eval question is ever trained on).
   """
+  if q.split:
+    return q.split == "eval"
   if q.data_source in EVAL_ONLY_SOURCES:
     return True
   digest = hashlib.sha256(normalize_answer(q.question).encode()).digest()
