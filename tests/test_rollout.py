@@ -57,7 +57,7 @@ def _run(monkeypatch, tok, script, max_turns=2):
                                        max_obs_tokens=64, max_prompt_tokens=192, topk_docs=2)
   retriever = FakeRetriever()
   engine = host_loop.HostLoopEngine(_Cfg(), None, tok, retriever, settings)
-  batch, _ = engine.run(None, ["Who is A", "Who is B", "Who is C"], rng=_key())
+  batch, _ = engine.run(None, ["Who is A", "Who is B", "Who is C"], _key())
   return batch, retriever, settings
 
 
@@ -154,4 +154,4 @@ def test_retriever_returning_too_few_lists_is_an_error(monkeypatch, tok):
                                        max_prompt_tokens=192, topk_docs=2)
   engine = host_loop.HostLoopEngine(_Cfg(), None, tok, Short(), settings)
   with pytest.raises(ValueError, match="1 queries"):
-    engine.run(None, ["Who is A", "Who is B", "Who is C"], rng=_key())
+    engine.run(None, ["Who is A", "Who is B", "Who is C"], _key())

@@ -18,10 +18,10 @@ from typing import Iterator, Protocol, Sequence
 
 import sentencepiece as spm
 
+from gigrl import tags
 from gigrl.data import qa
 
-TAGS = ("<search>", "</search>", "<information>", "</information>",
-        "<answer>", "</answer>", "<think>", "</think>")
+TAGS = tags.TAGS
 BUNDLED_MODEL = "spm_searchr1.model"
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
@@ -94,8 +94,7 @@ def train(out_path: str, vocab_size: int = 8192) -> str:
   Byte fallback makes every string encodable (lossless round trips).
   """
   # Prompt template text is added so its words are single pieces.
-  from gigrl.rollout import protocol  # pylint: disable=g-import-not-at-top
-  sentences = list(_training_sentences()) + [protocol.INSTRUCTION, protocol.INVALID_ACTION_MSG] * 20
+  sentences = list(_training_sentences()) + [tags.INSTRUCTION, tags.INVALID_ACTION_MSG] * 20
   model = io.BytesIO()
   spm.SentencePieceTrainer.train(
       sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size,

@@ -3,14 +3,14 @@
 Public API (see each module for shapes):
   ModelConfig, PRESETS, default_config, validate, model_config_from   (config)
   Transformer, KVCache, init_cache, extend                            (transformer)
-  extend_last, decode, generate, DecodeOut, Sampler                   (sampler)
+  extend_last, decode, generate, DecodeOut                            (sampler)
   token_logprobs, logprobs_from_hidden                                (logprobs)
   from_hf, to_hf                                                      (hf, lazy)
 """
 from gigrl.models.config import (PRESETS, ModelConfig, default_config,
                                  model_config_from, validate)
 from gigrl.models.logprobs import logprobs_from_hidden, token_logprobs
-from gigrl.models.sampler import (DecodeOut, Sampler, decode, extend_last, generate)
+from gigrl.models.sampler import DecodeOut, decode, extend_last, generate
 from gigrl.models.transformer import KVCache, Transformer, extend, init_cache
 
 

@@ -10,6 +10,10 @@ Split the model once, `graphdef, state = nnx.split(model)`, and call:
   budget or `max_new_tokens` steps pass;
 * `generate(...)` -- init cache + prefill + decode.
 
+Inside a caller's own jitted program (the callback rollout engine), the traceable
+pieces are public: `model_extend_last` (extend on a merged model), `decode_step`
+(sample -> stop check -> cache extend, the body of `decode`'s loop) and `stop_hit`.
+
 The cache argument is donated: do not reuse a cache after passing it in.
 
 Log-probabilities returned by `decode` are those of the *raw model* (temperature 1,
@@ -21,7 +25,7 @@ log-probs; train-time log-probs from `token_logprobs` use the same raw conventio
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +60,13 @@ class DecodeOut(NamedTuple):
 # --------------------------------------------------------------------------- extend
 
 
-def _extend_last(model, cache, tokens, lengths, prev_logits):
+def model_extend_last(model, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
+                      prev_logits: jax.Array) -> tuple[jax.Array, KVCache]:
+  """`extend_last` on a merged model, for use inside a caller's own jitted program.
+
+  Same arguments and result as `extend_last` (without graphdef/state; not jitted, nothing
+  donated).
+  """
   hidden, cache = model.extend_hidden(cache, tokens, lengths)
   last = jnp.maximum(lengths - 1, 0)
   h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]     # [B, D]
@@ -80,7 +90,7 @@ def extend_last(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
     (next_logits f32[B, V], cache).
   """
   model = nnx.merge(graphdef, state)
-  return _extend_last(model, cache, tokens, lengths.astype(jnp.int32), prev_logits)
+  return model_extend_last(model, cache, tokens, lengths.astype(jnp.int32), prev_logits)
 
 
 # --------------------------------------------------------------------------- sampling
@@ -134,13 +144,81 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature, *, top_k: int 
   return first_argmax(x + jax.random.gumbel(key, x.shape, x.dtype))
 
 
-def _stop_hit(window: jax.Array, stops: jax.Array) -> jax.Array:
-  """window i32[B, L] last tokens (-2 = none yet), stops i32[K, L] -> bool[B]."""
+def stop_hit(window: jax.Array, stops: jax.Array) -> jax.Array:
+  """Does a row's window end with a stop sequence?
+
+  Args:
+    window: i32[B, L] each row's last L generated tokens, oldest first (-2 = none yet).
+    stops: i32[K, L] stop sequences, right-aligned, left-padded with -1 (a wildcard).
+  Returns:
+    bool[B]; False for every row when K = 0 or a stop row is all -1.
+  """
   if stops.shape[0] == 0:
     return jnp.zeros(window.shape[:1], bool)
   eq = (window[:, None, :] == stops[None]) | (stops[None] == -1)       # [B, K, L]
   nonempty = jnp.any(stops >= 0, axis=-1)                               # [K]
   return jnp.any(jnp.all(eq, axis=-1) & nonempty[None], axis=-1)
+
+
+class StepOut(NamedTuple):
+  """Result of `decode_step` for a batch of B rows.
+
+  Attributes:
+    tokens: i32[B] the fed tokens (PAD_TOKEN on inactive rows).
+    logprobs: f32[B] raw-model (temperature 1) log-prob of each token, 0 on inactive rows.
+    hit: bool[B] the token completed a stop sequence (active rows only).
+    window: i32[B, L] last L tokens per row after this step (unchanged on inactive rows).
+    logits: f32[B, V] next-token logits (unchanged on inactive rows).
+    kv: the cache state returned by `feed`.
+  """
+  tokens: jax.Array
+  logprobs: jax.Array
+  hit: jax.Array
+  window: jax.Array
+  logits: jax.Array
+  kv: Any
+
+
+def decode_step(feed: Callable, kv: Any, logits: jax.Array, window: jax.Array,
+                active: jax.Array, key: jax.Array, stops: jax.Array, temperature, *,
+                top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
+                choose: Callable | None = None) -> StepOut:
+  """One decode step: sample -> stop check -> cache extend (traceable, not jitted).
+
+  The body of `decode`'s loop and of the callback rollout engine's loop.
+
+  Args:
+    feed: `feed(kv, tokens i32[B], active bool[B], logits f32[B, V]) -> (logits, kv)`
+      appends one token to every active row's cache and returns the next-token logits
+      (the previous ones on inactive rows), e.g. via `model_extend_last`.
+    kv: the cache state `feed` takes.
+    logits: f32[B, V] next-token logits of each row.
+    window: i32[B, L] last generated tokens (-2 = none yet), L = stops.shape[1].
+    active: bool[B] rows that generate in this step.
+    key: PRNG key for this step.
+    stops: i32[K, L] stop sequences (`as_stop_array`).
+    temperature, top_k, top_p, greedy: sampling options (`sample_tokens`).
+    choose: optional `choose(logits, key) -> i32[B]` replacing the sampling (scripted
+      policies in tests).
+  Returns:
+    StepOut.
+  """
+  # Raw-model log-prob of the sampled token: logit - logsumexp, with the row max
+  # shared by the logsumexp and the greedy argmax (one pass over [B, V] each).
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  lse = m[:, 0] + jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1))
+  if choose is None:
+    tok = sample_tokens(logits, key, temperature, top_k=top_k, top_p=top_p,
+                        greedy=greedy, row_max=m)
+  else:
+    tok = choose(logits, key).astype(jnp.int32)
+  lp = jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0] - lse
+  tok = jnp.where(active, tok, PAD_TOKEN).astype(jnp.int32)
+  window = jnp.where(active[:, None],
+                     jnp.concatenate([window[:, 1:], tok[:, None]], axis=1), window)
+  hit = active & stop_hit(window, stops)
+  new_logits, kv = feed(kv, tok, active, logits)
+  return StepOut(tok, jnp.where(active, lp, 0.0), hit, window, new_logits, kv)
 
 
 # --------------------------------------------------------------------------- decode
@@ -161,9 +239,9 @@ class _Carry(NamedTuple):
   window: jax.Array
 
 
-def _unstack_decode() -> bool:
-  """Decode on per-layer buffers? Yes on XLA:CPU (see extend_hidden_unstacked)."""
-  return jax.default_backend() == "cpu"
+def _unstack_decode(cfg) -> bool:
+  """Decode on per-layer buffers? Yes for backend "cpu" (see extend_hidden_unstacked)."""
+  return cfg.backend == "cpu"
 
 
 def _kv_ops(model, cache: KVCache):
@@ -172,9 +250,9 @@ def _kv_ops(model, cache: KVCache):
   step(kv, tok i32[B], act bool[B], logits f32[B, V]) -> (logits, kv) feeds one
   token per live row; finish(kv) -> KVCache.
   """
-  if not _unstack_decode():
+  if not _unstack_decode(model.cfg):
     def step(kv, tok, act, logits):
-      return _extend_last(model, kv, tok[:, None], act.astype(jnp.int32), logits)
+      return model_extend_last(model, kv, tok[:, None], act.astype(jnp.int32), logits)
     return cache, step, lambda kv: kv
 
   layers = model.layers.unstacked(model.dtype)          # sliced once, outside the loop
@@ -218,27 +296,16 @@ def _decode(graphdef, state, cache, next_logits, rng, active, budget, stops,
   def body(c: _Carry) -> _Carry:
     key, sub = jax.random.split(c.key)
     act = live(c)
-    # Raw-model log-prob of the sampled token: logit - logsumexp, with the row max
-    # shared by the logsumexp and the greedy argmax (one pass over [B, V] each).
-    m = jnp.max(c.logits, axis=-1, keepdims=True)
-    lse = m[:, 0] + jnp.log(jnp.sum(jnp.exp(c.logits - m), axis=-1))
-    tok = sample_tokens(c.logits, sub, temperature, top_k=top_k, top_p=top_p,
-                        greedy=greedy, row_max=m)
-    lp = jnp.take_along_axis(c.logits, tok[:, None], axis=-1)[:, 0] - lse
-    tok = jnp.where(act, tok, PAD_TOKEN)
-    window = jnp.where(act[:, None],
-                       jnp.concatenate([c.window[:, 1:], tok[:, None]], axis=1),
-                       c.window)
-    hit = act & _stop_hit(window, stops)
-    logits, kv = feed(c.kv, tok, act, c.logits)
+    out = decode_step(feed, c.kv, c.logits, c.window, act, sub, stops, temperature,
+                      top_k=top_k, top_p=top_p, greedy=greedy)
     return _Carry(
-        i=c.i + 1, kv=kv, logits=logits, key=key,
-        active=act & ~hit, budget=c.budget - act.astype(jnp.int32),
-        tokens=c.tokens.at[:, c.i].set(tok),
-        logprobs=c.logprobs.at[:, c.i].set(jnp.where(act, lp, 0.0)),
+        i=c.i + 1, kv=out.kv, logits=out.logits, key=key,
+        active=act & ~out.hit, budget=c.budget - act.astype(jnp.int32),
+        tokens=c.tokens.at[:, c.i].set(out.tokens),
+        logprobs=c.logprobs.at[:, c.i].set(out.logprobs),
         mask=c.mask.at[:, c.i].set(act),
         lengths=c.lengths + act.astype(jnp.int32),
-        stopped=c.stopped | hit, window=window)
+        stopped=c.stopped | out.hit, window=out.window)
 
   def cond(c: _Carry):
     return (c.i < n) & jnp.any(live(c))
@@ -347,19 +414,3 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, prompts: jax.Array,
   return decode(graphdef, state, cache, logits, rng, jnp.ones((b,), bool), budget,
                 max_new_tokens=max_new_tokens, stop_sequences=stop_sequences,
                 temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
-
-
-class Sampler:
-  """Holds a graphdef and forwards to the jitted functions (compiled once each)."""
-
-  def __init__(self, graphdef: nnx.GraphDef):
-    self.graphdef = graphdef
-
-  def extend_last(self, state, cache, tokens, lengths, prev_logits):
-    return extend_last(self.graphdef, state, cache, tokens, lengths, prev_logits)
-
-  def decode(self, state, cache, next_logits, rng, active, budget, **kw) -> DecodeOut:
-    return decode(self.graphdef, state, cache, next_logits, rng, active, budget, **kw)
-
-  def generate(self, state, prompts, prompt_lengths, rng, **kw) -> DecodeOut:
-    return generate(self.graphdef, state, prompts, prompt_lengths, rng, **kw)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from gigrl import tags
 from gigrl.data.qa import Question, normalize_answer
-from gigrl.rollout import host_loop
 from gigrl.rollout import trajectory as traj_lib
+from gigrl.rollout import turns
 
 SEARCH_TURN = "<think> I need to find more information. </think>\n<search> {query} </search>"
 ANSWER_TURN = "<think> The documents answer the question. </think>\n<answer> {answer} </answer>"
@@ -23,7 +24,7 @@ def answer_in_text(answers: Sequence[str], text: str) -> bool:
 
 
 def build_demonstrations(questions: Sequence[Question], tokenizer, retriever,
-                         settings: host_loop.RolloutSettings, *,
+                         settings: turns.RolloutSettings, *,
                          only_answer_in_obs: bool = False) -> list[traj_lib.TrajectoryBuilder]:
   """One demonstration per question (search with the question, then answer).
 
@@ -36,8 +37,8 @@ def build_demonstrations(questions: Sequence[Question], tokenizer, retriever,
   Returns:
     Builders (maybe fewer than ``questions`` if filtered).
   """
-  prompts = host_loop.encode_prompts(tokenizer, [q.question for q in questions],
-                                     settings.max_prompt_tokens)
+  prompts = turns.encode_prompts(tokenizer, [q.question for q in questions],
+                                 settings.max_prompt_tokens)
   results = retriever.search([q.question for q in questions], settings.topk_docs)
   demos = []
   for q, prompt, passages in zip(questions, prompts, results):
@@ -48,18 +49,31 @@ def build_demonstrations(questions: Sequence[Question], tokenizer, retriever,
       continue
     tb = traj_lib.TrajectoryBuilder()
     tb.add_prompt(prompt, anchor=q.question)
-    search = SEARCH_TURN.format(query=q.question)
-    tb.add_generation(_capped(tokenizer.encode(search), settings), search)
+    search = _capped(tokenizer, SEARCH_TURN.format(query=q.question), tags.SEARCH_END, settings)
+    tb.add_generation(search, tokenizer.decode(search))
     tb.search_calls = 1
     tb.add_observation(obs_ids, anchor=anchor)
-    answer = ANSWER_TURN.format(answer=q.golden_answers[0])
-    tb.add_generation(_capped(tokenizer.encode(answer), settings), answer)
+    answer = _capped(tokenizer, ANSWER_TURN.format(answer=q.golden_answers[0]), tags.ANSWER_END,
+                     settings)
+    tb.add_generation(answer, tokenizer.decode(answer))
     tb.answer_turn = 1
     demos.append(tb)
   return demos
 
 
-def _capped(ids: list[int], settings: host_loop.RolloutSettings) -> list[int]:
-  # A turn longer than the rollout's budget could never be generated; keep the end tag.
+def _capped(tokenizer, text: str, end_tag: str, settings: turns.RolloutSettings) -> list[int]:
+  """``text``'s tokens, cut to the rollout's per-turn budget without losing the end tag.
+
+  A turn longer than ``max_new_tokens`` could never be generated, so the middle is cut and
+  every token of the (possibly multi-token) end tag is kept: the demonstration still ends with
+  a stop sequence the rollout engines stop at.
+  """
+  ids = tokenizer.encode(text)
   n = settings.max_new_tokens
-  return ids if len(ids) <= n else ids[:n - 1] + ids[-1:]
+  if len(ids) <= n:
+    return ids
+  tail = max(1, turns.tag_tail_length(tokenizer, ids, end_tag))
+  if tail >= n:
+    raise ValueError(f"rollout.max_new_tokens={n} cannot hold the end tag {end_tag!r} "
+                     f"({tail} tokens)")
+  return ids[:n - tail] + ids[-tail:]

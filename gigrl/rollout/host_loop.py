@@ -1,10 +1,17 @@
 """Host-driven multi-turn rollout engine (``rollout.engine = host_loop``).
 
 Each turn is one jitted ``decode`` (a ``lax.while_loop`` over the KV cache) that stops every row
-at ``</search>``, ``</answer>``, EOS or its token budget; the host then parses actions, calls the
-retriever once for all the turn's queries, and feeds the observations back with one jitted
+at ``</search>``, ``</answer>`` (any of their token sequences, see
+:func:`gigrl.rollout.turns.stop_sequences`), EOS or its token budget; the host then parses the
+actions in the decoded text, calls the retriever once for all the turn's queries
+(:func:`gigrl.rollout.turns.dispatch_turn`), and feeds the observations back with one jitted
 ``extend``. Protocol: Search-R1 ``search_r1/llm_agent/generation.py`` @ a14dc3a:
 ``max_turns`` turns with search, then one final turn in which a search gets no observation.
+
+Several processes (one per host of a pod): every process calls :meth:`HostLoopEngine.run` with
+its own questions (the same count on each). The per-row inputs become global arrays built from
+process-local data; each process reads back only the rows on its own devices, decodes and parses
+only those, and sends only their queries to its retriever.
 """
 from __future__ import annotations
 
@@ -17,7 +24,6 @@ import numpy as np
 from gigrl.models import sampler as sampler_lib
 from gigrl.models import sharding as sharding_lib
 from gigrl.models import transformer as tfm
-from gigrl.rollout import protocol
 from gigrl.rollout import trajectory as traj_lib
 from gigrl.rollout import turns
 
@@ -28,108 +34,96 @@ stop_sequences = turns.stop_sequences
 encode_prompts = turns.encode_prompts
 
 
-def _pad(rows: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-  toks = np.full((len(rows), width), pad_id, np.int32)
-  lens = np.zeros((len(rows),), np.int32)
-  for i, r in enumerate(rows):
-    toks[i, :len(r)], lens[i] = r, len(r)
-  return toks, lens
-
-
 class HostLoopEngine:
-  """Runs batches of Search-R1 rollouts with a host loop over turns."""
+  """Runs batches of Search-R1 rollouts with a host loop over turns (a :class:`RolloutEngine`)."""
 
   def __init__(self, model_cfg, graphdef, tokenizer, retriever, settings: RolloutSettings,
                mesh=None):
     """``mesh``: if given, the KV cache is sharded over it (rows over ('data', 'fsdp'),
-    KV heads over 'tp'), matching params laid out on the same mesh."""
+    KV heads over 'tp'), matching params laid out on the same mesh. On several processes it
+    defaults to all devices on 'fsdp'.
+
+    Raises:
+      ValueError: the invalid-action message is longer than ``settings.max_obs_tokens``.
+    """
+    if mesh is None and jax.process_count() > 1:
+      mesh = sharding_lib.make_mesh()
     self.model_cfg, self.graphdef, self.mesh = model_cfg, graphdef, mesh
     self.tok, self.retriever, self.s = tokenizer, retriever, settings
-    self.stops = stop_sequences(tokenizer)
+    self.stops = turns.stop_sequences(tokenizer)
     self.invalid_ids = traj_lib.invalid_observation_ids(tokenizer)
     if len(self.invalid_ids) > settings.obs_width:
       raise ValueError(f"rollout.max_obs_tokens={settings.max_obs_tokens} is smaller than the "
                        f"invalid-action message ({len(self.invalid_ids)} tokens)")
 
-  def run(self, state, questions: Sequence[str], rng: jax.Array
+  def run(self, params, questions: Sequence[str], key: jax.Array
           ) -> tuple[traj_lib.TrajectoryBatch, dict[str, float]]:
-    """Rolls out one trajectory per question (repeat questions for groups).
+    """Rolls out one trajectory per question (see :meth:`RolloutEngine.run`).
 
     Args:
-      state: the policy's ``nnx.State`` (parameters).
-      questions: B question strings.
-      rng: PRNG key; the rollout is deterministic given it.
+      params: the policy's ``nnx.State``.
+      questions: this process's B question strings (one process: the whole batch).
+      key: PRNG key, the same on every process; the rollout is deterministic given it.
     Returns:
-      (batch, metrics) with ``metrics`` = decode/search seconds and token counts.
+      (batch of this process's B rows, metrics): ``time/decode_s``, ``time/search_s``,
+      ``rollout/generated_tokens`` and ``rollout/retriever_calls`` of this process.
     """
     s, b = self.s, len(questions)
-    builders = [traj_lib.TrajectoryBuilder() for _ in range(b)]
-    prompts = encode_prompts(self.tok, questions, s.max_prompt_tokens)
-    for tb, ids, q in zip(builders, prompts, questions):
-      tb.add_prompt(ids, anchor=q)
-    cache = self._init_cache(b, s.seq_len + 1)
-    toks, lens = _pad(prompts, s.max_prompt_tokens, self.tok.pad_id)
-    logits = np.zeros((b, self.model_cfg.vocab_size), np.float32)
-    logits, cache = sampler_lib.extend_last(self.graphdef, state, cache, toks, lens, logits)
+    records = [traj_lib.TrajectoryBuilder() for _ in range(b)]
+    prompts = turns.encode_prompts(self.tok, questions, s.max_prompt_tokens)
+    for rec, ids, q in zip(records, prompts, questions):
+      rec.add_prompt(ids, anchor=q)
+    toks, lens = turns.pad_rows(prompts, b, s.max_prompt_tokens, self.tok.pad_id)
+    logits = self._rows(np.zeros((b, self.model_cfg.vocab_size), np.float32))
+    cache = self._init_cache(logits.shape[0], s.seq_len + 1)
+    logits, cache = sampler_lib.extend_last(self.graphdef, params, cache, self._rows(toks),
+                                            self._rows(lens), logits)
     active = np.ones((b,), bool)
+    budget = self._rows(np.full((b,), s.max_new_tokens, np.int32))
     t_decode = t_search = 0.0
+    calls = 0
     for turn in range(s.max_turns + 1):
-      rng, key = jax.random.split(rng)
+      key, sub = jax.random.split(key)
       t0 = time.perf_counter()
       out = sampler_lib.decode(
-          self.graphdef, state, cache, logits, key, active,
-          np.full((b,), s.max_new_tokens, np.int32), max_new_tokens=s.max_new_tokens,
-          stop_sequences=self.stops, temperature=s.temperature, top_p=s.top_p,
-          top_k=s.top_k, greedy=s.greedy)
+          self.graphdef, params, cache, logits, sub, self._rows(active), budget,
+          max_new_tokens=s.max_new_tokens, stop_sequences=self.stops,
+          temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, greedy=s.greedy)
       cache, logits = out.cache, out.next_logits
-      gen_tokens, gen_lens = np.asarray(out.tokens), np.asarray(out.lengths)
+      gen_tokens, gen_lens = turns.local_rows(out.tokens), turns.local_rows(out.lengths)
       t_decode += time.perf_counter() - t0
-      obs, t_s = self._step(builders, active, gen_tokens, gen_lens, turn)
-      t_search += t_s
-      if not active.any():
+      rows = np.flatnonzero(active)
+      outcome = turns.dispatch_turn(
+          [records[i] for i in rows], [gen_tokens[i, :gen_lens[i]] for i in rows],
+          tokenizer=self.tok, retriever=self.retriever, settings=s,
+          invalid_ids=self.invalid_ids)
+      t_search += outcome.search_s
+      calls += outcome.queries > 0
+      obs: list[list[int]] = [[] for _ in range(b)]
+      for i, ids, done in zip(rows, outcome.observations, outcome.done):
+        obs[i], active[i] = ids, not done
+      if turn == s.max_turns or not turns.any_process(active.any()):
         break
-      obs_toks, obs_lens = _pad(obs, s.obs_width, self.tok.pad_id)
-      logits, cache = sampler_lib.extend_last(self.graphdef, state, cache, obs_toks, obs_lens,
+      obs_toks, obs_lens = turns.pad_rows(obs, b, s.obs_width, self.tok.pad_id)
+      logits, cache = sampler_lib.extend_last(self.graphdef, params, cache,
+                                              self._rows(obs_toks), self._rows(obs_lens),
                                               logits)
-    batch = traj_lib.collate(builders, s.seq_len, self.tok.pad_id)
+    batch = traj_lib.collate(records, s.seq_len, self.tok.pad_id)
     metrics = {"time/decode_s": t_decode, "time/search_s": t_search,
-               "rollout/generated_tokens": float(batch.num_generated_tokens)}
+               "rollout/generated_tokens": float(batch.num_generated_tokens),
+               "rollout/retriever_calls": float(calls)}
     return batch, metrics
+
+  def _rows(self, local: np.ndarray):
+    """Per-row host data for the jitted programs: numpy on one process, else a global array
+    whose rows on this process are ``local``."""
+    if jax.process_count() == 1:
+      return local
+    global_shape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
+    return turns.global_rows(local, sharding_lib.batch_sharding(self.mesh, global_shape))
 
   def _init_cache(self, batch: int, max_len: int):
     if self.mesh is None:
       return tfm.init_cache(self.model_cfg, batch, max_len)
     return tfm.init_cache(self.model_cfg, batch, max_len, sharding=sharding_lib.cache_shardings(
         self.model_cfg, self.mesh, batch, max_len))
-
-  def _step(self, builders, active, gen_tokens, gen_lens, turn):
-    """Records one turn, decides each row's next observation; updates ``active`` in place."""
-    s = self.s
-    obs: list[list[int]] = [[] for _ in builders]
-    queries, query_rows = [], []
-    for i, tb in enumerate(builders):
-      if not active[i]:
-        continue
-      ids = gen_tokens[i, :gen_lens[i]].tolist()
-      text = self.tok.decode(ids)
-      tb.add_generation(ids, text)
-      kind, payload = protocol.parse_action(text)
-      if kind == "answer":
-        tb.answer_turn, active[i] = turn, False
-      elif turn == s.max_turns:       # final turn: no more observations
-        active[i] = False
-      elif kind == "search":
-        tb.search_calls += 1
-        queries.append(payload)
-        query_rows.append(i)
-      else:
-        obs[i] = self.invalid_ids
-        tb.add_observation(obs[i], anchor=protocol.INVALID_ACTION_MSG.strip())
-    t0 = time.perf_counter()
-    if queries:
-      found = traj_lib.search_observations(self.retriever, self.tok, queries, s.topk_docs,
-                                           s.max_obs_tokens)
-      for i, (ids, anchor) in zip(query_rows, found):
-        obs[i] = ids
-        builders[i].add_observation(ids, anchor=anchor)
-    return obs, time.perf_counter() - t0

@@ -9,21 +9,9 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-INSTRUCTION = (
-    "Answer the given question. You must conduct reasoning inside <think> and </think> first "
-    "every time you get new information. After reasoning, if you find you lack some knowledge, "
-    "you can call a search engine by <search> query </search> and it will return the top "
-    "searched results between <information> and </information>. You can search as many times "
-    "as your want. If you find no further external knowledge needed, you can directly provide "
-    "the answer inside <answer> and </answer>, without detailed illustrations. For example, "
-    "<answer> Beijing </answer>. Question: ")
+from gigrl.tags import (ANSWER_END, INFO_END, INFO_START, INSTRUCTION,  # noqa: F401
+                        INVALID_ACTION_MSG, SEARCH_END)
 
-INVALID_ACTION_MSG = (
-    "\nMy previous action is invalid. If I want to search, I should put the query between "
-    "<search> and </search>. If I want to give the final answer, I should put the answer "
-    "between <answer> and </answer>. Let me try again.\n")
-
-SEARCH_END, ANSWER_END = "</search>", "</answer>"
 _ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 
 
@@ -68,4 +56,4 @@ def format_passages(contents: Sequence[str]) -> str:
 
 def format_observation(passages_text: str) -> str:
   """The observation appended after a search turn."""
-  return "\n\n<information>" + passages_text.strip() + "</information>\n\n"
+  return "\n\n" + INFO_START + passages_text.strip() + INFO_END + "\n\n"

@@ -6,11 +6,15 @@ one final turn in which a search gets no observation.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 
+from gigrl import tags
 from gigrl.rollout import protocol
+from gigrl.rollout.trajectory import TrajectoryBuilder, search_observations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,21 +51,84 @@ def settings_from_config(cfg_rollout: Any, topk_docs: int) -> RolloutSettings:
       top_k=int(cfg_rollout.top_k), greedy=bool(cfg_rollout.greedy), topk_docs=int(topk_docs))
 
 
+# Left and right contexts in which a stop tag is encoded: a byte-level BPE (Qwen2, Llama 3)
+# merges a tag's first or last bytes with its neighbours (" </", "?</", ">\n"), so the tag's
+# tokens depend on them.
+_LEFT_CONTEXTS = ("", " ", "  ", "\n", "a", "a ", " a", ".", "?", "!", ",", ")", "'", '"', ">",
+                  "1")
+_RIGHT_CONTEXTS = ("", "\n", "\n\n", " ", "a", ".")
+
+
+def tag_token_variants(tokenizer, tag: str) -> list[list[int]]:
+  """The token sequences with which a generation can end ``tag``, in the usual contexts.
+
+  For each (left, right) context pair the text ``left + tag + right`` is encoded and the
+  shortest token suffix whose text contains ``tag`` is kept. With the bundled sentencepiece
+  model (tags are single pieces) this is ``[[id]]``; with a byte-level BPE it is several
+  multi-token sequences (``['</', 'search', '>']``, ``[' </', 'search', '>']``, ...).
+
+  Returns:
+    Distinct token-id lists, shortest first. The first is ``tokenizer.encode(tag)``'s
+    minimal form when that contains the tag.
+  """
+  out: list[list[int]] = []
+  for left in _LEFT_CONTEXTS:
+    for right in _RIGHT_CONTEXTS:
+      ids = tokenizer.encode(left + tag + right)
+      cut = None
+      for k in range(len(ids) - 1, -1, -1):
+        text = tokenizer.decode(ids[k:])
+        if tag in text:
+          cut = k
+          break
+      if cut is None:
+        continue
+      # Drop the tokens after the tag's end (the right context) when they stand alone.
+      seq = ids[cut:]
+      while len(seq) > 1 and tag in tokenizer.decode(seq[:-1]):
+        seq = seq[:-1]
+      if seq not in out:
+        out.append(seq)
+  return sorted(out, key=len)
+
+
 def stop_sequences(tokenizer) -> np.ndarray:
-  """i32[K, 1]: ids of ``</search>``, ``</answer>`` and EOS (single-token stops).
+  """i32[K, L]: the turn-ending token sequences, right-aligned and left-padded with -1.
+
+  Every variant (:func:`tag_token_variants`) of ``</search>`` and ``</answer>``, and each EOS id
+  (``tokenizer.eos_ids`` if it has them, else ``eos_id``). For the sampler's stop check
+  (:func:`gigrl.models.sampler.stop_hit`). The tags are then parsed in the decoded text
+  (:func:`gigrl.rollout.protocol.parse_action`), so a tag generated with other tokens than
+  these still counts as an action; the turn just does not end at it.
 
   Raises:
-    ValueError: a tag is not a single token in this tokenizer.
+    ValueError: a stop tag cannot be encoded so that its text round-trips.
   """
-  ids = []
-  for tag in (protocol.SEARCH_END, protocol.ANSWER_END):
-    enc = tokenizer.encode(tag)
-    if len(enc) != 1:
-      raise ValueError(f"stop tag {tag!r} is {len(enc)} tokens in this tokenizer; "
-                       "add it as a special token")
-    ids.append(enc[0])
-  ids.append(tokenizer.eos_id)
-  return np.array(ids, np.int32)[:, None]
+  seqs: list[list[int]] = []
+  for tag in tags.ACTION_ENDS:
+    variants = tag_token_variants(tokenizer, tag)
+    if not variants:
+      raise ValueError(f"stop tag {tag!r} does not round-trip through this tokenizer "
+                       "(decode(encode(tag)) lacks the tag)")
+    seqs += variants
+  eos = getattr(tokenizer, "eos_ids", None) or [tokenizer.eos_id]
+  seqs += [[int(i)] for i in eos]
+  width = max(len(q) for q in seqs)
+  return np.array([[-1] * (width - len(q)) + q for q in seqs], np.int32)
+
+
+def tag_tail_length(tokenizer, ids: Sequence[int], tag: str) -> int:
+  """Number of final tokens of ``ids`` that hold ``tag`` (0 if the text does not end with it).
+
+  Used to cap a demonstration turn to the rollout's token budget without cutting its end tag.
+  """
+  ids = list(ids)
+  if not tokenizer.decode(ids).rstrip().endswith(tag):
+    return 0
+  for k in range(len(ids) - 1, -1, -1):
+    if tag in tokenizer.decode(ids[k:]):
+      return len(ids) - k
+  return 0
 
 
 def encode_prompts(tokenizer, questions: Sequence[str], max_prompt_tokens: int
@@ -79,3 +146,136 @@ def encode_prompts(tokenizer, questions: Sequence[str], max_prompt_tokens: int
                        f"rollout.max_prompt_tokens={max_prompt_tokens}")
     out.append(ids)
   return out
+
+
+@dataclasses.dataclass
+class TurnOutcome:
+  """What :func:`dispatch_turn` decided for the rows whose turn ended.
+
+  Attributes:
+    observations: per ended row, the observation token ids to feed next ([] for none).
+    done: per ended row, True if the trajectory is over (answered, or its final turn).
+    queries: number of search queries sent to the retriever (0 or 1 batched call).
+    search_s: wall seconds spent in the retriever call and observation tokenisation.
+  """
+  observations: list[list[int]]
+  done: list[bool]
+  queries: int = 0
+  search_s: float = 0.0
+
+
+def dispatch_turn(records: Sequence[TrajectoryBuilder], generations: Sequence[Sequence[int]], *,
+                  tokenizer, retriever, settings: RolloutSettings,
+                  invalid_ids: Sequence[int]) -> TurnOutcome:
+  """Records one ended turn per row and decides each row's next observation.
+
+  For each row j (``records[j]`` gets the turn ``generations[j]``, whose index is the number of
+  turns it already has), the generated text is parsed (:func:`protocol.parse_action`) and:
+
+    * ``answer``: the trajectory ends (``answer_turn`` set);
+    * the final turn (index ``settings.max_turns``): it ends, a search gets no observation;
+    * ``search``: the query joins one batched retriever call; the observation is the
+      retrieved passages (:func:`trajectory.observation_ids`);
+    * invalid: the observation is Search-R1's invalid-action message.
+
+  Observations are added to the records too. Search-R1 ``generation.py``
+  (``execute_predictions``, ``_passages2string``).
+
+  Args:
+    records: one builder per ended row (host-side trajectory records).
+    generations: the turn's generated token ids per row (stop tokens included).
+    tokenizer, retriever: as for the engine.
+    settings: rollout settings (``max_turns``, ``topk_docs``, ``max_obs_tokens``).
+    invalid_ids: token ids of the invalid-action message.
+  Returns:
+    TurnOutcome, aligned with ``records``.
+  Raises:
+    ValueError: the retriever returned a different number of result lists than queries.
+  """
+  n = len(records)
+  obs: list[list[int]] = [[] for _ in range(n)]
+  done = [False] * n
+  queries, query_rows = [], []
+  for j, (rec, ids) in enumerate(zip(records, generations)):
+    ids = [int(i) for i in ids]
+    text = tokenizer.decode(ids)
+    turn = rec.add_generation(ids, text)
+    kind, payload = protocol.parse_action(text)
+    if kind == "answer":
+      rec.answer_turn, done[j] = turn, True
+    elif turn >= settings.max_turns:       # final turn: no more observations
+      done[j] = True
+    elif kind == "search":
+      rec.search_calls += 1
+      queries.append(payload)
+      query_rows.append(j)
+    else:
+      obs[j] = list(invalid_ids)
+      rec.add_observation(obs[j], anchor=protocol.INVALID_ACTION_MSG.strip())
+  if not queries:
+    return TurnOutcome(obs, done)
+  t0 = time.perf_counter()
+  found = search_observations(retriever, tokenizer, queries, settings.topk_docs,
+                              settings.max_obs_tokens)
+  for j, (ids, anchor) in zip(query_rows, found):
+    obs[j] = ids
+    records[j].add_observation(ids, anchor=anchor)
+  return TurnOutcome(obs, done, len(queries), time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------- process-local rows
+
+
+def pad_rows(rows: Sequence[Sequence[int]], n: int, width: int, pad_id: int
+             ) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pads token lists into (i32[n, width], i32[n] lengths); rows past len(rows) are empty.
+
+  Raises:
+    ValueError: a row is longer than ``width``.
+  """
+  toks = np.full((n, width), pad_id, np.int32)
+  lens = np.zeros((n,), np.int32)
+  for i, r in enumerate(rows):
+    if len(r) > width:
+      raise ValueError(f"row {i} has {len(r)} tokens > width {width}")
+    toks[i, :len(r)], lens[i] = r, len(r)
+  return toks, lens
+
+
+def global_rows(local: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+  """A global array whose rows on this process's devices are ``local`` (rows = dim 0).
+
+  ``jax.make_array_from_process_local_data``: every process passes its own rows, in order.
+
+  Raises:
+    ValueError: on several processes, ``sharding`` does not split dim 0 over the processes
+      (the rows would have to be equal on every process).
+  """
+  if jax.process_count() > 1 and sharding.is_fully_replicated:
+    raise ValueError(f"rollout rows {local.shape[0]} per process cannot be split over the mesh "
+                     f"{sharding}; make the rows per process divisible by the local devices "
+                     "on the mesh's ('data', 'fsdp') axes")
+  return jax.make_array_from_process_local_data(sharding, local)
+
+
+def local_rows(x: jax.Array | np.ndarray) -> np.ndarray:
+  """The rows (dim 0) of ``x`` held by this process's devices, in global order (numpy).
+
+  On one process this is ``np.asarray(x)``. On several, only addressable shards are read
+  (``np.asarray`` of an array spanning other hosts' devices raises); replicas are read once.
+  """
+  if not isinstance(x, jax.Array) or x.is_fully_addressable:
+    return np.asarray(x)
+  parts: dict[int, jax.Array] = {}
+  for shard in x.addressable_shards:
+    parts.setdefault(shard.index[0].start or 0, shard.data)
+  return np.concatenate([np.asarray(parts[k]) for k in sorted(parts)], axis=0)
+
+
+def any_process(flag: bool) -> bool:
+  """True if ``flag`` is True on any process (every process must call it; a collective when
+  there are several)."""
+  if jax.process_count() == 1:
+    return bool(flag)
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
