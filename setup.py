@@ -12,6 +12,7 @@ CORE = [
     "sentencepiece>=0.2",
     "chex>=0.1.90",
     "bm25s>=0.2.10",
+    "rapidfuzz>=3.9",  # exact LCS bound for similarity anchors (C++)
     "safetensors>=0.4",
     "tokenizers>=0.20",
     "tqdm>=4.66",
