@@ -10,6 +10,7 @@ from gigrl import config as config_lib
 
 def get_config(arg: str | None = None):
   cfg = config_lib.base_config()
+  cfg.loss.use_kl_loss = True       # Search-R1 train_grpo.sh: use_kl_loss, coef 0.001, low_var_kl
   if arg:
     cfg.model.preset = arg
   return cfg

@@ -1,37 +1,76 @@
-"""Orbax checkpoints of the full trainer state; atomic, asynchronous, last N kept.
+"""Orbax checkpoints of the whole :class:`~gigrl.train_state.TrainState`; atomic, async, last N.
 
-A checkpoint holds two items: ``state`` (a pytree of arrays: params, optimizer state,
-reference params, the advantage-estimator state such as HA-DW's anchor) and ``meta`` (JSON:
-step, phase, the query pool with its RNG state, data positions, the config). Orbax writes each
-step into a temporary directory and renames it when complete, so a run killed mid-write leaves
-the previous checkpoints intact. A checkpoint that fails to restore is reported and the previous
-one is used. Restoring with an abstract tree whose leaves carry another mesh's shardings puts the
-arrays straight onto that mesh (orbax reshards on restore).
+A checkpoint holds two items: ``state`` (the state's arrays: params, optimizer state, reference
+params, the advantage-estimator state such as HA-DW's beliefs) and ``meta`` (JSON: the step, the
+query pool with its RNG state, and the run's config). Orbax writes each step into a temporary
+directory and renames it when complete, so a run killed mid-write leaves the previous checkpoints
+intact. Restoring with a target whose arrays carry another mesh's shardings puts the arrays
+straight onto that mesh (orbax reshards on restore).
+
+Restore never loses data silently:
+
+* a checkpoint whose arrays do not match the current config's state (another model size,
+  another ``advantage.hadw.window``, another question set for the pool, ...) raises
+  :class:`StateMismatchError` naming the arrays and config fields that differ;
+* a checkpoint that cannot be read (torn files) is reported and the previous one is used;
+* when none can be read, :class:`CheckpointError` is raised rather than starting over.
 """
 from __future__ import annotations
 
-import logging
-import os
+import sys
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
+
+from gigrl import config_utils
+from gigrl import train_state as state_lib
+
+
+class CheckpointError(RuntimeError):
+  """No checkpoint in the directory can be read."""
+
+
+class StateMismatchError(config_utils.ConfigError):
+  """The checkpoint's state does not fit the current config (a user-caused error)."""
+
+  def __init__(self, directory: str, step: int, differences: list[str],
+               config_changes: list[str]):
+    self.field, self.value = "checkpoint", step
+    self.allowed = "a config with the checkpoint's state structure"
+    self.differences, self.config_changes = differences, config_changes
+    changed = "; ".join(config_changes[:8]) or "none recorded"
+    ValueError.__init__(
+        self,
+        f"checkpoint step {step} in {directory} does not fit this config: "
+        f"{'; '.join(differences[:4])}"
+        f"{' (+%d more)' % (len(differences) - 4) if len(differences) > 4 else ''}. "
+        f"Config fields changed since it was written: {changed}. To proceed, rerun with the "
+        f"checkpoint's values for those fields, or use a new --workdir to start a new run.")
 
 
 class Checkpointer:
-  """Thin wrapper over ``ocp.CheckpointManager`` with corrupt-checkpoint fallback."""
+  """``ocp.CheckpointManager`` for :class:`TrainState` with mismatch and corruption checks."""
 
-  def __init__(self, directory: str, *, keep: int, async_save: bool = True):
-    self.directory = os.path.abspath(directory)
+  def __init__(self, directory: str | epath.PathLike, *, keep: int, async_save: bool = True):
+    self.directory = epath.Path(directory)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_names=("state", "meta"))
 
-  def save(self, step: int, state: Any, meta: dict[str, Any], *, force: bool = False) -> None:
-    """Starts an (async) save of ``state`` and ``meta`` at ``step``."""
-    self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
+  def save(self, state: state_lib.TrainState, extra_meta: dict[str, Any] | None = None, *,
+           force: bool = False) -> None:
+    """Starts an (async) save of ``state`` at ``state.step``.
+
+    The arrays must not be donated while the write runs: pass :func:`train_state.copy` of a
+    state whose arrays the next step donates.
+    """
+    meta = {**state.static(), **(extra_meta or {})}
+    self.manager.save(state.step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state.arrays()), meta=ocp.args.JsonSave(meta)),
+        force=force)
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
@@ -39,33 +78,121 @@ class Checkpointer:
   def steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
 
-  def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
-    """Restores the newest checkpoint that loads; None if there is none.
+  def restore_latest(self, target: state_lib.TrainState,
+                     config: dict[str, Any] | None = None
+                     ) -> tuple[state_lib.TrainState, dict[str, Any]] | None:
+    """Restores the newest readable checkpoint onto ``target``'s shardings.
 
     Args:
-      abstract_state: pytree of ``jax.ShapeDtypeStruct`` (with target shardings).
+      target: a state of the current config (live or :func:`train_state.abstract`); its
+        arrays give the expected structure, shapes, dtypes and target shardings, and its
+        ``pool`` the expected pool size and rule.
+      config: the current config as a JSON dict; compared with the checkpoint's to name the
+        fields that changed.
     Returns:
-      (step, state, meta) or None. Checkpoints that fail to load are logged and skipped.
+      (state, meta) or None when the directory has no checkpoint.
+    Raises:
+      StateMismatchError: the newest readable checkpoint does not fit ``target``.
+      CheckpointError: there are checkpoints but none can be read.
     """
-    for step in reversed(self.steps()):
+    steps = self.steps()
+    if not steps:
+      return None
+    abstract = state_lib.abstract(target)
+    for step in reversed(steps):
+      try:
+        meta = dict(self.manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore())).meta)
+        saved = self.manager.item_metadata(step)["state"]
+        saved_tree = getattr(saved, "tree", saved)
+        if saved_tree is None:
+          raise ValueError("no array metadata")
+      except Exception as e:  # pylint: disable=broad-except
+        _report_unreadable(step, e)
+        continue
+      differences = structure_differences(saved_tree, abstract.arrays())
+      differences += pool_differences(meta.get("pool", {}), target.pool)
+      if differences:
+        changes = config_differences(meta.get("config") or {}, config or {})
+        raise StateMismatchError(str(self.directory), step, differences, changes)
       try:
         restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-        return step, restored.state, dict(restored.meta)
+            state=ocp.args.StandardRestore(abstract.arrays())))
       except Exception as e:  # pylint: disable=broad-except
-        logging.warning("checkpoint step %d in %s is unreadable (%s: %s); trying the "
-                        "previous one", step, self.directory, type(e).__name__, e)
-        print(f"[gigrl] WARNING: checkpoint {step} is corrupt or partial "
-              f"({type(e).__name__}); falling back to an earlier one", flush=True)
-    return None
+        _report_unreadable(step, e)
+        continue
+      return state_lib.TrainState.from_parts(restored.state, meta), meta
+    raise CheckpointError(
+        f"none of the checkpoints {steps} in {self.directory} can be read (see the warnings "
+        f"above); move that directory away to start the run over")
 
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
 
 
-def abstract_like(tree: Any) -> Any:
-  """ShapeDtypeStructs (with shardings) of a live pytree, for restore."""
-  return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-      tree)
+def _report_unreadable(step: int, e: Exception) -> None:
+  print(f"[gigrl] WARNING: checkpoint {step} is corrupt or partial "
+        f"({type(e).__name__}: {str(e)[:200]}); falling back to an earlier one",
+        file=sys.stderr, flush=True)
+
+
+def structure_differences(saved: Any, expected: Any) -> list[str]:
+  """Human-readable differences between a checkpoint's array metadata and a state's arrays.
+
+  Both trees are flattened in jax order (orbax restores positionally); leaves are compared by
+  shape and dtype. Returns [] when they match.
+  """
+  saved_leaves = jax.tree_util.tree_flatten_with_path(saved)[0]
+  exp_leaves = jax.tree_util.tree_flatten_with_path(expected)[0]
+  name = lambda path: "/".join(state_lib._key_str(k) for k in path)  # pylint: disable=protected-access
+  if len(saved_leaves) != len(exp_leaves):
+    saved_names = {name(p) for p, _ in saved_leaves}
+    exp_names = {name(p) for p, _ in exp_leaves}
+    out = [f"the checkpoint has {len(saved_leaves)} arrays, this config's state "
+           f"{len(exp_leaves)}"]
+    only_s, only_e = sorted(saved_names - exp_names), sorted(exp_names - saved_names)
+    if only_s:
+      out.append(f"only in the checkpoint: {', '.join(only_s[:3])}")
+    if only_e:
+      out.append(f"only in this config: {', '.join(only_e[:3])}")
+    return out
+  out = []
+  for (_, s), (path, e) in zip(saved_leaves, exp_leaves):
+    s_shape, e_shape = tuple(int(d) for d in s.shape), tuple(int(d) for d in e.shape)
+    s_dtype, e_dtype = str(s.dtype), str(e.dtype)
+    if s_shape != e_shape or s_dtype != e_dtype:
+      out.append(f"{name(path)} is {s_dtype}{list(s_shape)} in the checkpoint, "
+                 f"{e_dtype}{list(e_shape)} here")
+  return out
+
+
+def pool_differences(saved: dict[str, Any], expected: dict[str, Any]) -> list[str]:
+  """Query-pool fields that must match for the pool state to be restored (its size = the
+  number of training questions, and its rule)."""
+  out = []
+  for key, why in (("num_queries", "training questions"), ("rule", "pool rule")):
+    if key in saved and key in expected and saved[key] != expected[key]:
+      out.append(f"the query pool has {why} {saved[key]!r} in the checkpoint, "
+                 f"{expected[key]!r} here")
+  return out
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+  if not isinstance(d, dict):
+    return {prefix: d}
+  out = {}
+  for k, v in d.items():
+    out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+  return out
+
+
+def config_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+  """``["train.num_steps: 4 -> 6", ...]`` for every field that differs (JSON dicts)."""
+  a, b = _flatten(old), _flatten(new)
+  out = []
+  for k in sorted(set(a) | set(b)):
+    va, vb = a.get(k, "<absent>"), b.get(k, "<absent>")
+    if va != vb:
+      out.append(f"{k}: {va!r} -> {vb!r}")
+  return out

@@ -1,7 +1,7 @@
 """The run config: one ml_collections ConfigDict with a section per stage.
 
-Sections: ``data``, ``model``, ``rollout``, ``search``, ``advantage``, ``train``, ``checkpoint``
-and a top-level ``seed``. Each stage's module owns its section's defaults and validation; this
+Sections: ``data``, ``model``, ``rollout``, ``search``, ``advantage``, ``loss``, ``train``,
+``checkpoint`` and a top-level ``seed``. Each stage's module owns its section's defaults and validation; this
 module composes them (``base_config``) and validates the whole (``validate``). Config files in
 ``configs/`` start from ``base_config()`` and override fields.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import ml_collections
 
 from gigrl import advantages
+from gigrl import loss
 from gigrl import models
 from gigrl import search
 from gigrl.config_utils import ConfigError, check_choice, check_range, get_field
@@ -52,19 +53,14 @@ def train_config() -> ml_collections.ConfigDict:
   c.weight_decay = 0.01
   c.b1, c.b2 = 0.9, 0.999
   c.grad_clip = 1.0
-  c.kl_coef = 0.001
-  c.kl_type = "low_var_kl"
-  c.clip_ratio_low = 0.2
-  c.clip_ratio_high = 0.2
-  c.clip_ratio_c = 3.0
-  c.loss_agg_mode = "token-mean"
-  c.entropy_coeff = 0.0
+  # Non-finite loss/gradients: the update is skipped (optax.apply_if_finite) and counted in
+  # `train/nonfinite_updates`; this many in a row stop the run (last good checkpoint kept).
+  c.max_consecutive_nonfinite = 5
   c.sft_steps = 0              # supervised warm-start steps before RL
   c.sft_learning_rate = 1e-3
   c.sft_batch_size = 16
   c.sft_questions = 0          # 0 = all training questions
   c.sft_only_answer_in_obs = False
-  c.log_every = 1
   c.sample_every = 5           # write readable trajectories every N RL steps
   c.eval_every = 0             # 0 = no periodic eval
   c.eval_questions = 32
@@ -88,9 +84,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.rollout = rollout_config()
   c.search = search.default_config()
   c.advantage = advantages.default_config()
+  c.loss = loss.default_config()         # PPO-clip / KL / entropy: gigrl.loss.ppo_loss's options
   c.train = train_config()
   c.checkpoint = checkpoint_config()
   return c
+
+
+SECTIONS = ("data", "model", "rollout", "search", "advantage", "loss", "train", "checkpoint")
 
 
 def validate(cfg: ml_collections.ConfigDict) -> None:
@@ -99,7 +99,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
   Raises:
     ConfigError: naming the first bad field, its value and what is allowed.
   """
-  for section in ("data", "model", "rollout", "search", "advantage", "train", "checkpoint"):
+  for section in SECTIONS:
     get_field(cfg, section)
   check_range(cfg, "seed", 0, integer=True)
   _validate_data(cfg)
@@ -110,6 +110,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
   models.validate(cfg.model)
   search.validate(cfg.search)
   advantages.validate(cfg.advantage)
+  loss.validate(cfg.loss)
   pool_lib.validate_pool_config(cfg.data.pool)
 
 
@@ -139,15 +140,13 @@ def _validate_train(cfg):
   check_range(cfg, "train.sft_learning_rate", 0.0, lo_open=True)
   check_range(cfg, "train.warmup_steps", 0, integer=True)
   check_range(cfg, "train.grad_clip", 0.0, lo_open=True)
-  check_range(cfg, "train.kl_coef", 0.0)
-  check_choice(cfg, "train.kl_type", ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"))
-  check_range(cfg, "train.clip_ratio_low", 0.0, 1.0, lo_open=True)
-  check_range(cfg, "train.clip_ratio_high", 0.0, lo_open=True)
-  check_range(cfg, "train.clip_ratio_c", 1.0, lo_open=True)
-  check_choice(cfg, "train.loss_agg_mode", ("token-mean", "seq-mean-token-sum",
-                                            "seq-mean-token-mean", "seq-mean-token-sum-norm"))
+  check_range(cfg, "train.weight_decay", 0.0)
+  check_range(cfg, "train.b1", 0.0, 1.0, hi_open=True)
+  check_range(cfg, "train.b2", 0.0, 1.0, hi_open=True)
+  check_range(cfg, "train.max_consecutive_nonfinite", 1, integer=True)
   check_range(cfg, "train.sft_steps", 0, integer=True)
   check_range(cfg, "train.sft_batch_size", 1, integer=True)
-  check_range(cfg, "train.log_every", 1, integer=True)
+  check_range(cfg, "train.sft_questions", 0, integer=True)
+  check_range(cfg, "train.eval_questions", 0, integer=True)
   check_range(cfg, "train.sample_every", 1, integer=True)
   check_range(cfg, "train.eval_every", 0, integer=True)

@@ -2,7 +2,7 @@
 
 Follows volcengine/verl@b178a3cd ``verl/trainer/ppo/core_algos.py``
 (``compute_policy_loss_vanilla``, ``kl_penalty``, ``agg_loss``) and
-``verl/workers/actor/dp_actor.py`` (ESTIMATORS.md §2.2-2.4), single
+``verl/workers/actor/dp_actor.py``, single
 micro-batch form (no global batch info, dp_size 1):
 
 * ratio ``ρ = exp(clip(logπ - logπ_old, -20, 20))``;
@@ -14,16 +14,24 @@ micro-batch form (no global batch info, dp_size 1):
   gradient of k2);
 * aggregation ``token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-mean``,
   ``seq-mean-token-sum-norm``;
-* total = ``pg_loss + kl_loss_coef * kl_loss`` when ``use_kl_loss``.
+* total = ``pg_loss + kl_loss_coef * kl_loss`` when ``use_kl_loss``, minus
+  ``entropy_coeff * entropy_loss`` (verl ``dp_actor``).
 
-The options are explicit keyword arguments (static Python values; bind them
-with functools.partial before jax.jit). :func:`check_loss_options` validates
-them and raises ConfigError naming the field as ``"loss.<name>"``.
+The options are explicit keyword arguments of :func:`ppo_loss` (static Python
+values; bind them with functools.partial before jax.jit). They are also the
+``loss`` section of the run config, under the same names: :func:`default_config`
+reads the defaults from :func:`ppo_loss`'s signature (defined once, there), and
+:func:`check_loss_options` / :func:`validate` raise ConfigError naming the field
+as ``"loss.<name>"``.
 """
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import ml_collections
 
 from gigrl import config_utils
 
@@ -49,7 +57,8 @@ def kl_penalty(logprob: jax.Array, ref_logprob: jax.Array,
                kind: str = "low_var_kl") -> jax.Array:
   """Per-token KL estimate between the policy and the reference.
 
-  Reference: verl ``kl_penalty`` (ESTIMATORS.md §2.3); Schulman's k1/k2/k3.
+  Reference: verl ``kl_penalty``; Schulman's k1/k2/k3 ("Approximating KL
+  divergence", 2020).
 
   Args:
     logprob: f32[B, S] log π.
@@ -162,24 +171,23 @@ def policy_loss(logprob: jax.Array, old_logprob: jax.Array,
   return agg_loss(pg, mask, loss_agg_mode, loss_scale_factor), metrics
 
 
-def check_loss_options(*, clip_ratio_low: float = 0.2,
-                       clip_ratio_high: float = 0.2,
-                       clip_ratio_c: float = 3.0,
-                       loss_agg_mode: str = "token-mean",
-                       use_kl_loss: bool = False,
-                       kl_loss_coef: float = 0.001,
-                       kl_loss_type: str = "low_var_kl",
-                       loss_scale_factor: float | None = None) -> None:
-  """Validates the loss options.
+def check_loss_options(*, clip_ratio_low: float, clip_ratio_high: float,
+                       clip_ratio_c: float, loss_agg_mode: str,
+                       use_kl_loss: bool, kl_loss_coef: float,
+                       kl_loss_type: str, loss_scale_factor: float | None,
+                       entropy_coeff: float) -> None:
+  """Validates the loss options (the keyword arguments of :func:`ppo_loss`).
 
   Raises:
-    gigrl.config_utils.ConfigError: with field ``"loss.<name>"``.
+    gigrl.config_utils.ConfigError: with field ``"loss.<name>"`` (the config
+      section holding these options).
   """
   root = {"loss": dict(
       clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
       clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
       use_kl_loss=use_kl_loss, kl_loss_coef=kl_loss_coef,
-      kl_loss_type=kl_loss_type, loss_scale_factor=loss_scale_factor)}
+      kl_loss_type=kl_loss_type, loss_scale_factor=loss_scale_factor,
+      entropy_coeff=entropy_coeff)}
   config_utils.check_range(root, "loss.clip_ratio_low", 0.0, 1.0)
   config_utils.check_range(root, "loss.clip_ratio_high", 0.0)
   config_utils.check_range(root, "loss.clip_ratio_c", 1.0, lo_open=True)
@@ -191,6 +199,7 @@ def check_loss_options(*, clip_ratio_low: float = 0.2,
   if loss_scale_factor is not None:
     config_utils.check_range(root, "loss.loss_scale_factor", 0.0,
                              lo_open=True)
+  config_utils.check_range(root, "loss.entropy_coeff", 0.0)
 
 
 def ppo_loss(logprob: jax.Array, old_logprob: jax.Array,
@@ -199,13 +208,16 @@ def ppo_loss(logprob: jax.Array, old_logprob: jax.Array,
              clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
              loss_agg_mode: str = "token-mean", use_kl_loss: bool = False,
              kl_loss_coef: float = 0.001, kl_loss_type: str = "low_var_kl",
-             loss_scale_factor: float | None = None
+             loss_scale_factor: float | None = None,
+             entropy: jax.Array | None = None, entropy_coeff: float = 0.0
              ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Actor loss: PPO-clip policy loss plus the KL loss (verl dp_actor).
+  """Actor loss: PPO-clip policy loss, KL loss, entropy bonus (verl dp_actor).
 
   Defaults are verl's ``actor.yaml`` (clip 0.2/0.2, c = 3.0, token-mean,
-  use_kl_loss False, coef 0.001, low_var_kl). Search-R1 / GRPO recipes turn
-  the KL loss on; Dr. GRPO uses ``seq-mean-token-sum-norm`` without it.
+  use_kl_loss False, coef 0.001, low_var_kl, entropy_coeff 0). Search-R1 /
+  GRPO recipes turn the KL loss on; Dr. GRPO uses ``seq-mean-token-sum-norm``
+  without it. These defaults are the ``loss`` config section's defaults
+  (:func:`default_config`). The training RL step calls this function.
 
   Args:
     logprob: f32[B, S] log π of the current policy.
@@ -218,11 +230,15 @@ def ppo_loss(logprob: jax.Array, old_logprob: jax.Array,
     use_kl_loss: add ``kl_loss_coef * kl_loss`` to the loss.
     kl_loss_coef: β.
     kl_loss_type: see :func:`kl_penalty`.
+    entropy: optional f32[B, S] per-token entropy of the policy.
+    entropy_coeff: weight of the entropy bonus (needs ``entropy`` when > 0);
+      verl: ``loss = pg_loss - entropy_coeff * agg(entropy)``.
 
   Returns:
     (loss f32[], metrics: dict of f32[] ``pg_loss``, ``kl`` (aggregated KL
     loss, computed even when unused), ``pg_clipfrac``, ``ppo_kl``,
-    ``pg_clipfrac_lower``).
+    ``pg_clipfrac_lower``, and ``entropy`` (aggregated, no gradient) when
+    ``entropy`` is given).
 
   Raises:
     gigrl.config_utils.ConfigError: invalid option (field ``loss.<name>``).
@@ -231,7 +247,10 @@ def ppo_loss(logprob: jax.Array, old_logprob: jax.Array,
       clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
       clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
       use_kl_loss=use_kl_loss, kl_loss_coef=kl_loss_coef,
-      kl_loss_type=kl_loss_type, loss_scale_factor=loss_scale_factor)
+      kl_loss_type=kl_loss_type, loss_scale_factor=loss_scale_factor,
+      entropy_coeff=entropy_coeff)
+  if entropy_coeff and entropy is None:
+    raise ValueError("entropy_coeff > 0 needs the per-token entropy")
   pg, metrics = policy_loss(
       logprob, old_logprob, advantages, loss_mask,
       clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
@@ -240,4 +259,46 @@ def ppo_loss(logprob: jax.Array, old_logprob: jax.Array,
   kld = kl_penalty(logprob, ref_logprob, kl_loss_type)
   kl = agg_loss(kld, loss_mask, loss_agg_mode, loss_scale_factor)
   loss = pg + kl_loss_coef * kl if use_kl_loss else pg
-  return loss, {"pg_loss": pg, "kl": kl, **metrics}
+  metrics = {"pg_loss": pg, "kl": kl, **metrics}
+  if entropy is not None:
+    ent = agg_loss(entropy, loss_mask, loss_agg_mode, loss_scale_factor)
+    if entropy_coeff:
+      loss = loss - entropy_coeff * ent
+    metrics["entropy"] = jax.lax.stop_gradient(ent)
+  return loss, metrics
+
+
+def options() -> dict[str, Any]:
+  """{name: default} of :func:`ppo_loss`'s options (its keyword-only arguments
+  with a static default; the array argument ``entropy`` is not an option)."""
+  return {n: p.default for n, p in inspect.signature(ppo_loss).parameters.items()
+          if p.kind is inspect.Parameter.KEYWORD_ONLY and n != "entropy"}
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """The ``loss`` config section: :func:`ppo_loss`'s options and defaults.
+
+  ``loss_scale_factor`` is 0.0 in the config (= None: divide by the padded
+  length), because a locked ConfigDict cannot hold None for a float field.
+  """
+  c = ml_collections.ConfigDict(
+      {k: (0.0 if v is None else v) for k, v in options().items()})
+  return c
+
+
+def kwargs_from_config(cfg: Any) -> dict[str, Any]:
+  """The ``loss`` section as :func:`ppo_loss` keyword arguments (Python values)."""
+  out = {k: cfg[k] for k in options()}
+  out["loss_scale_factor"] = float(out["loss_scale_factor"]) or None
+  return out
+
+
+def validate(cfg: Any) -> None:
+  """Validates the ``loss`` config section.
+
+  Raises:
+    gigrl.config_utils.ConfigError: naming ``loss.<name>``.
+  """
+  for k in options():
+    config_utils.get_field({"loss": cfg}, f"loss.{k}")
+  check_loss_options(**kwargs_from_config(cfg))

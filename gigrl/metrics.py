@@ -1,17 +1,23 @@
-"""Run outputs: ``metrics.jsonl``, readable trajectory samples, and plots.
+"""Run outputs: ``metrics.jsonl``, readable trajectory samples, ``eval.json`` and plots.
 
-``metrics.jsonl`` holds one JSON object per step (``step``, ``phase`` and the metrics). On
-resume, lines beyond the restored step are dropped (atomically), so the file always reads
-as one uninterrupted run.
+Every file a run writes goes through :class:`RunOutputs`, so one switch (``enabled``) makes a
+process write nothing (multi-host: only process 0 writes). ``metrics.jsonl`` holds one JSON
+object per step (``step``, ``phase`` and the metrics). On resume, lines beyond the restored step
+are dropped (atomically), so the file always reads as one uninterrupted run. Paths are
+``etils.epath`` paths, so a ``gs://`` workdir stays remote.
+
+Throughput keys: ``train/tokens_per_s`` is the update's (SFT or RL) tokens per second of train
+step time; ``rollout/tokens_per_s`` is generated tokens per second of rollout wall time.
 """
 from __future__ import annotations
 
+import io
 import json
 import math
-import os
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+from etils import epath
 
 
 def _clean(v: Any) -> Any:
@@ -22,34 +28,65 @@ def _clean(v: Any) -> Any:
   return v
 
 
-class MetricsWriter:
-  """Appends one JSON line per step to ``<workdir>/metrics.jsonl``."""
+class RunOutputs:
+  """Writes a run's files under ``workdir``; writes nothing when ``enabled`` is False."""
 
-  def __init__(self, workdir: str):
-    self.path = os.path.join(workdir, "metrics.jsonl")
+  def __init__(self, workdir: str | epath.PathLike, *, enabled: bool = True):
+    self.workdir = epath.Path(workdir)
+    self.enabled = enabled
+    self.metrics_path = self.workdir / "metrics.jsonl"
+    if enabled:
+      (self.workdir / "samples").mkdir(parents=True, exist_ok=True)
 
-  def truncate_after(self, step: int) -> None:
-    """Drops lines with ``step > step`` (atomic rewrite); used on resume."""
-    if not os.path.exists(self.path):
+  def truncate_metrics_after(self, step: int) -> None:
+    """Drops ``metrics.jsonl`` lines with ``step > step`` (atomic rewrite); used on resume."""
+    if not self.enabled or not self.metrics_path.exists():
       return
-    kept = [r for r in read_metrics(self.path) if r["step"] <= step]
-    tmp = self.path + ".tmp"
-    with open(tmp, "w") as f:
-      for r in kept:
-        f.write(json.dumps(r) + "\n")
-    os.replace(tmp, self.path)
+    kept = [r for r in read_metrics(self.metrics_path) if r["step"] <= step]
+    tmp = self.workdir / "metrics.jsonl.tmp"
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tmp.replace(self.metrics_path)
 
-  def write(self, record: dict[str, Any]) -> None:
-    with open(self.path, "a") as f:
-      f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+  def write_metrics(self, record: dict[str, Any]) -> None:
+    """Appends one line to ``metrics.jsonl`` (non-finite floats are written as strings)."""
+    if not self.enabled:
+      return
+    line = json.dumps({k: _clean(v) for k, v in record.items()}) + "\n"
+    with self.metrics_path.open("a") as f:
+      f.write(line)
       f.flush()
-      os.fsync(f.fileno())
+      _fsync(f)
+
+  def write_samples(self, name: str, step: int, questions: Sequence[str],
+                    golden: Sequence[Sequence[str]], rewards: Iterable[float],
+                    texts: Sequence[str], search_calls: Iterable[int]) -> None:
+    """Writes ``samples/<name>`` (see :func:`format_samples`)."""
+    if self.enabled:
+      (self.workdir / "samples" / name).write_text(
+          format_samples(step, questions, golden, rewards, texts, search_calls))
+
+  def write_json(self, name: str, obj: Any) -> None:
+    """Writes ``<workdir>/<name>`` as indented JSON (e.g. ``eval.json``)."""
+    if self.enabled:
+      (self.workdir / name).write_text(json.dumps(obj, indent=1, default=_clean))
+
+  def plot(self) -> str | None:
+    """Writes ``metrics.png`` (:func:`plot_metrics`)."""
+    return plot_metrics(self.workdir) if self.enabled else None
 
 
-def read_metrics(path: str) -> list[dict[str, Any]]:
+def _fsync(f) -> None:
+  try:
+    import os  # pylint: disable=g-import-not-at-top
+    os.fsync(f.fileno())
+  except (AttributeError, OSError, io.UnsupportedOperation):
+    pass     # remote (gs://) files have no descriptor
+
+
+def read_metrics(path: str | epath.PathLike) -> list[dict[str, Any]]:
   """Reads ``metrics.jsonl``; a torn last line (killed mid-write) is ignored."""
   out = []
-  with open(path) as f:
+  with epath.Path(path).open() as f:
     for line in f:
       try:
         out.append(json.loads(line))
@@ -58,26 +95,28 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
   return out
 
 
-def write_samples(path: str, step: int, questions: Sequence[str],
-                  golden: Sequence[Sequence[str]], rewards: Iterable[float],
-                  texts: Sequence[str], search_calls: Iterable[int]) -> None:
-  """Writes readable trajectories (prompt excluded, observations included)."""
-  with open(path, "w") as f:
-    f.write(f"# step {step}\n")
-    for i, (q, g, r, t, n) in enumerate(zip(questions, golden, rewards, texts, search_calls)):
-      f.write(f"\n===== trajectory {i} | reward {r:.2f} | search calls {n}\n")
-      f.write(f"question: {q}\ngold: {list(g)}\n--- generated (observations inline) ---\n")
-      f.write(t.strip() + "\n")
+def format_samples(step: int, questions: Sequence[str], golden: Sequence[Sequence[str]],
+                   rewards: Iterable[float], texts: Sequence[str],
+                   search_calls: Iterable[int]) -> str:
+  """Readable trajectories (prompt excluded, observations included)."""
+  f = io.StringIO()
+  f.write(f"# step {step}\n")
+  for i, (q, g, r, t, n) in enumerate(zip(questions, golden, rewards, texts, search_calls)):
+    f.write(f"\n===== trajectory {i} | reward {r:.2f} | search calls {n}\n")
+    f.write(f"question: {q}\ngold: {list(g)}\n--- generated (observations inline) ---\n")
+    f.write(t.strip() + "\n")
+  return f.getvalue()
 
 
-PLOT_KEYS = ("reward_mean", "em", "search_calls_mean", "zero_variance_frac", "loss", "kl",
-             "tokens_per_s", "entropy")
+PLOT_KEYS = ("reward_mean", "search_calls_mean", "zero_variance_frac", "loss", "kl",
+             "entropy", "train/tokens_per_s", "rollout/tokens_per_s")
 
 
-def plot_metrics(workdir: str, keys: Sequence[str] = PLOT_KEYS) -> str | None:
+def plot_metrics(workdir: str | epath.PathLike, keys: Sequence[str] = PLOT_KEYS) -> str | None:
   """Plots metrics.jsonl to ``<workdir>/metrics.png`` (one panel per metric, SFT shaded)."""
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
+  workdir = epath.Path(workdir)
+  path = workdir / "metrics.jsonl"
+  if not path.exists():
     return None
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
@@ -101,7 +140,9 @@ def plot_metrics(workdir: str, keys: Sequence[str] = PLOT_KEYS) -> str | None:
     ax.axis("off")
   fig.suptitle("gigrl run (grey: SFT warm-start)", fontsize=10)
   fig.tight_layout()
-  out = os.path.join(workdir, "metrics.png")
-  fig.savefig(out, dpi=90)
+  buf = io.BytesIO()
+  fig.savefig(buf, dpi=90, format="png")
   plt.close(fig)
-  return out
+  out = workdir / "metrics.png"
+  out.write_bytes(buf.getvalue())
+  return str(out)

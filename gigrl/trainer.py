@@ -1,4 +1,9 @@
-"""The training loop: SFT warm-start, then RL steps; metrics, samples, checkpoints, resume.
+"""The training loop: SFT warm-start, then RL steps; the cadence of logs, samples, eval and
+checkpoints; SIGTERM / Ctrl-C; resume.
+
+The pieces live elsewhere: setup in :mod:`gigrl.build`, the state in :mod:`gigrl.train_state`,
+the jitted steps in :mod:`gigrl.update` (losses in :mod:`gigrl.loss`), the RL step's host glue
+in :mod:`gigrl.rl_batch`, evaluation in :mod:`gigrl.evaluate`, files in :mod:`gigrl.metrics`.
 
 Determinism: every random draw is a pure function of (seed, step): rollout keys are
 ``fold_in(key, step)``, SFT batches come from a seeded permutation, and the query pool's numpy
@@ -7,39 +12,28 @@ CPU (see docs/architecture.md, "Resume").
 """
 from __future__ import annotations
 
-import functools
 import json
-import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from etils import epath
 from tqdm import tqdm
 
-from gigrl import advantages as adv_lib
-from gigrl.advantages import anchors as anchors_lib
+from gigrl import build
 from gigrl import checkpoint as ckpt_lib
+from gigrl import evaluate as evaluate_lib
 from gigrl import metrics as metrics_lib
-from gigrl import models
-from gigrl import reward as reward_lib
+from gigrl import rl_batch
 from gigrl import search as search_lib
-from gigrl import update as update_lib
+from gigrl import train_state as state_lib
 from gigrl.data import pool as pool_lib
-from gigrl.models import sharding as sharding_lib
-from gigrl.data import qa
-from gigrl.data import tfds_qa
-from gigrl.data import tokenizer as tok_lib
-from gigrl.rollout import callback as callback_lib
 from gigrl.rollout import demos as demos_lib
-from gigrl.rollout import host_loop
 from gigrl.rollout import trajectory as traj_lib
 
 
@@ -47,202 +41,179 @@ def _log(msg: str) -> None:
   tqdm.write(f"[gigrl] {msg}", file=sys.stderr)
 
 
+class NonFiniteError(RuntimeError):
+  """Too many consecutive updates had a NaN/Inf loss or gradient."""
+
+
+class _StopSignals:
+  """SIGTERM (preemption) and SIGINT (Ctrl-C) request a checkpoint and a clean exit.
+
+  A second Ctrl-C interrupts at once (KeyboardInterrupt). Handlers are installed only on the
+  main thread (Python allows no other).
+  """
+
+  def __init__(self):
+    self.name: str | None = None
+    self._prev: dict[int, Any] = {}
+
+  def __enter__(self) -> "_StopSignals":
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._prev[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def _handle(self, signum, frame) -> None:
+    del frame
+    if self.name is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    self.name = signal.Signals(signum).name
+    _log(f"{self.name}: finishing the current step, then checkpointing "
+         "(Ctrl-C again to stop at once)")
+
+  def __exit__(self, *exc) -> None:
+    for sig, prev in self._prev.items():
+      signal.signal(sig, prev)
+
+
 class Trainer:
-  """Owns the state of one run (see module docstring)."""
+  """One run: builds everything from the config, then :meth:`run` loops over the steps."""
 
-  def __init__(self, cfg: ml_collections.ConfigDict, workdir: str):
-    self.cfg, self.workdir = cfg, os.path.abspath(workdir)
-    os.makedirs(os.path.join(self.workdir, "samples"), exist_ok=True)
-    self._stop_requested = False
-    self._setup_data()
-    self._setup_model()
-    self._setup_rollout()
-    self.metrics = metrics_lib.MetricsWriter(self.workdir)
-    self.ckpt = ckpt_lib.Checkpointer(os.path.join(self.workdir, "checkpoints"),
-                                      keep=cfg.checkpoint.keep,
-                                      async_save=cfg.checkpoint.async_save)
-
-  # ------------------------------------------------------------------ setup
-  def _setup_data(self) -> None:
-    cfg = self.cfg
-    self.tokenizer = tok_lib.load(cfg.data.tokenizer)
-    tfds_dir = cfg.data.tfds_dir or os.path.join(self.workdir, "tfds")
-    files = [cfg.data.questions_file] if cfg.data.questions_file else None
-    builder = tfds_qa.build(tfds_dir, files, cfg.data.eval_percent)
-    train = tfds_qa.read_split(builder, "train")
-    if not cfg.data.questions_file:
-      sources = {s.strip() for s in cfg.data.train_sources.split(",") if s.strip()}
-      train = [q for q in train if q.data_source in sources]
-    # TFDS shuffles rows by key hash at build time; sort for a readable, stable order.
-    train.sort(key=lambda q: (q.data_source, q.id))
-    if cfg.data.max_train_questions:
-      train = train[:cfg.data.max_train_questions]
-    if not train:
-      raise ValueError("no training questions left after data.train_sources / "
-                       "data.max_train_questions")
-    self.train_questions = train
-    self.eval_questions = tfds_qa.read_split(builder, "eval")
-    self.eval_questions.sort(key=lambda q: (q.data_source, q.id))
-    overlap = ({qa.normalize_answer(q.question) for q in train}
-               & {qa.normalize_answer(q.question) for q in self.eval_questions})
-    assert not overlap, f"eval questions leaked into training: {sorted(overlap)[:3]}"
-    _log(f"data: {len(train)} train / {len(self.eval_questions)} eval questions")
-
-  def _setup_model(self) -> None:
-    cfg = self.cfg
-    self.model_cfg = models.model_config_from(cfg.model, self.tokenizer.vocab_size)
-    # Training layout: the `model.train_sharding` preset (FSDP by default) on the mesh.
-    self.mesh = sharding_lib.mesh_from_config(cfg.model)
-    if cfg.model.hf_path:   # each tensor goes straight to its shard (no full host copy)
-      model, self.model_cfg = models.from_hf(
-          cfg.model.hf_path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
-          mesh=self.mesh, preset=cfg.model.train_sharding, remat=cfg.model.remat)
-    else:
-      model = models.Transformer(self.model_cfg, rngs=nnx.Rngs(cfg.seed))
-    self.graphdef, params = nnx.split(model)
-    self.param_sh = sharding_lib.param_shardings(params, self.mesh, cfg.model.train_sharding)
-    self.params = sharding_lib.shard_state(params, self.mesh, cfg.model.train_sharding)
-    n = sum(x.size for x in jax.tree.leaves(self.params))
-    _log(f"model: {n / 1e6:.2f}M params on mesh {dict(self.mesh.shape)} "
-         f"({cfg.model.train_sharding}), {self.model_cfg}")
-    t = cfg.train
-    opt_kw = dict(weight_decay=t.weight_decay, b1=t.b1, b2=t.b2, grad_clip=t.grad_clip)
-    self.sft_tx = update_lib.make_optimizer(t.sft_learning_rate, warmup_steps=0, **opt_kw)
-    self.rl_tx = update_lib.make_optimizer(t.learning_rate, warmup_steps=t.warmup_steps,
-                                           **opt_kw)
-    self.opt_sh = sharding_lib.opt_state_shardings(
-        jax.eval_shape(self.sft_tx.init, self.params), self.params, self.mesh,
-        cfg.model.train_sharding)
-    chunk = int(cfg.model.logprob_chunk_size)
-    graphdef = self.graphdef
-    max_gen = (cfg.rollout.max_turns + 1) * cfg.rollout.max_new_tokens
-    repl = NamedSharding(self.mesh, P())
-    out_sh = (self.param_sh, self.opt_sh, repl)
-    self.sft_step = update_lib.make_step(
-        lambda p, tok, m: update_lib.sft_loss(p, graphdef, tok, m, max_tokens=max_gen,
-                                              chunk_size=chunk), self.sft_tx,
-        in_shardings=(self.param_sh, self.opt_sh, None, None), out_shardings=out_sh)
-    settings = update_lib.rl_settings_from_config(cfg)
-    self.rl_step = update_lib.make_step(
-        lambda p, ref, tok, m, a: update_lib.rl_loss(p, graphdef, ref, tok, m, a, settings,
-                                                     max_tokens=max_gen),
-        self.rl_tx, in_shardings=(self.param_sh, self.opt_sh, self.param_sh, None, None, None),
-        out_shardings=out_sh)
-    self.adv_cfg = adv_lib.AdvantageConfig.from_config(cfg.advantage)
-    self.adv_state = adv_lib.init_state(self.adv_cfg)
-    self._adv_fn = jax.jit(functools.partial(adv_lib.compute_advantages, self.adv_cfg))
-
-  def _setup_rollout(self) -> None:
-    cfg = self.cfg
+  def __init__(self, cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike):
+    self.cfg, self.workdir = cfg, epath.Path(workdir)
+    self.out = metrics_lib.RunOutputs(self.workdir)
+    self.data = build.load_data(cfg, self.workdir)
+    _log(f"data: {len(self.data.train)} train / {len(self.data.eval)} eval questions")
+    self.tokenizer = self.data.tokenizer
+    self.policy = build.build_policy(cfg, self.tokenizer.vocab_size)
+    build.check_rows_fit_mesh(cfg, self.policy.mesh)
+    _log(f"model: {self.policy.describe()}")
+    self.steps = build.build_steps(cfg, self.policy)
+    self.adv_cfg, self.adv_fn, adv_state = build.build_advantages(cfg)
     self.retriever = search_lib.make_retriever(cfg.search)
-    self.settings = host_loop.settings_from_config(cfg.rollout, cfg.search.topk)
-    self.engine = callback_lib.make_engine(cfg.rollout.engine, self.model_cfg, self.graphdef,
-                                           self.tokenizer, self.retriever, self.settings,
-                                           mesh=self.mesh)
+    self.settings = build.rollout_settings(cfg)
+    self.engine = build.build_engine(cfg, self.policy, self.tokenizer, self.retriever)
     p = cfg.data.pool
     self.pool = pool_lib.QueryPool(
-        len(self.train_questions), rule=p.rule, batch_size=cfg.data.prompts_per_step,
+        len(self.data.train), rule=p.rule, batch_size=cfg.data.prompts_per_step,
         oversample=p.oversample, success_threshold=p.success_threshold, seed=cfg.seed)
+    self.ckpt = ckpt_lib.Checkpointer(self.workdir / "checkpoints", keep=cfg.checkpoint.keep,
+                                      async_save=cfg.checkpoint.async_save)
+    params = self.policy.params
+    # ref_params is None until RL starts (the checkpoint stores the params in its slot).
+    self.state = state_lib.TrainState(
+        params=params, opt_state=self.steps.init_opt(self.steps.sft_tx, params),
+        ref_params=None, adv_state=adv_state, step=0, pool=self.pool.state_dict())
 
-  # ------------------------------------------------------------------ state
-  def _state_tree(self) -> dict[str, Any]:
-    # Before RL starts there is no reference policy yet; its slot holds the params so the
-    # tree (and the abstract restore target) has one structure in both phases.
-    ref = self.params if self.ref_params is None else self.ref_params
-    return {"params": self.params, "opt_state": self.opt_state, "ref_params": ref,
-            "adv_state": self.adv_state}
+  # ------------------------------------------------------------------ checkpoints
+  def _config_json(self) -> dict[str, Any]:
+    return json.loads(self.cfg.to_json_best_effort())
 
-  def _meta(self, step: int, phase: str) -> dict[str, Any]:
-    return {"step": step, "phase": phase, "pool": self.pool.state_dict(),
-            "sft_steps_done": min(step, self.cfg.train.sft_steps),
+  def _checkpointed(self, state: state_lib.TrainState) -> state_lib.TrainState:
+    ref = state.params if state.ref_params is None else state.ref_params
+    return state.replace(ref_params=ref, pool=self.pool.state_dict())
+
+  def _save(self, phase: str, force: bool = False) -> None:
+    state = self._checkpointed(self.state)
+    meta = {"phase": phase, "sft_steps_done": min(state.step, self.cfg.train.sft_steps),
             "ref_policy": "params at the end of the SFT warm-start",
-            "config": json.loads(self.cfg.to_json_best_effort())}
-
-  def _save(self, step: int, phase: str, force: bool = False) -> None:
+            "config": self._config_json()}
     # The async writer reads the arrays after save() returns, while the next train step
     # donates (frees) params and optimizer state: hand it device copies instead.
-    state = jax.tree.map(jnp.copy, self._state_tree())
-    self.ckpt.save(step, state, self._meta(step, phase), force=force)
+    self.ckpt.save(state_lib.copy(state), meta, force=force)
 
-  def _restore(self) -> int:
-    """Restores the latest good checkpoint; returns the step to continue after (0 = none)."""
-    out = self.ckpt.restore_latest(ckpt_lib.abstract_like(self._state_tree()))
+  def _restore(self) -> None:
+    """Continues from the latest checkpoint, if any (see :meth:`Checkpointer.restore_latest`)."""
+    config = self._config_json()
+    out = self.ckpt.restore_latest(self._checkpointed(self.state), config)
     if out is None:
-      return 0
-    step, state, meta = out
-    self.params, self.opt_state = state["params"], state["opt_state"]
-    self.adv_state = state["adv_state"]
-    rl_started = step >= self.cfg.train.sft_steps
-    self.ref_params = state["ref_params"] if rl_started else None
-    self.pool.load_state_dict(meta["pool"])
-    _log(f"resumed from checkpoint step {step} ({meta['phase']})")
-    return step
+      return
+    state, meta = out
+    changes = ckpt_lib.config_differences(meta.get("config") or {}, config)
+    if changes:
+      _log("config changed since the checkpoint was written: " + "; ".join(changes))
+    self.pool.load_state_dict(state.pool)
+    if state.step <= self.cfg.train.sft_steps:
+      state = state.replace(ref_params=None)
+    self.state = state
+    _log(f"resumed from checkpoint step {state.step} ({meta.get('phase')})")
 
-  # ------------------------------------------------------------------ run
+  # ------------------------------------------------------------------ loop
   def run(self) -> None:
+    """Trains to ``train.sft_steps + train.num_steps`` steps (resuming if possible), then
+    evaluates on held-out questions and plots the metrics."""
     cfg = self.cfg
     sft_steps, total = cfg.train.sft_steps, cfg.train.sft_steps + cfg.train.num_steps
-    self.opt_state = self._init_opt(self.sft_tx)
-    self.ref_params = None
-    start = self._restore()
-    self.metrics.truncate_after(start)
-    prev = signal.signal(signal.SIGTERM, self._on_sigterm)
+    self._restore()
+    start = self.state.step
+    self.out.truncate_metrics_after(start)
     bar = tqdm(total=total, initial=start, desc="gigrl", unit="step", dynamic_ncols=True)
     try:
-      demos = self._demonstrations() if start < sft_steps else None
-      for step in range(start + 1, total + 1):
-        if step <= sft_steps:
-          record = self._sft_step(step, demos)
-          if step == sft_steps:
-            self._begin_rl()
-        else:
-          if step == 1 and sft_steps == 0:
-            self._begin_rl()
-          record = self._rl_step(step)
-        self.metrics.write(record)
-        bar.update(1)
-        bar.set_postfix({k: f"{record[k]:.3g}" for k in ("loss", "reward_mean", "em")
-                         if isinstance(record.get(k), float)})
-        if step % cfg.checkpoint.every_steps == 0 or step == total:
-          self._save(step, record["phase"])
-        if self._stop_requested:
-          if step % cfg.checkpoint.every_steps and step != total:
-            self._save(step, record["phase"], force=True)
-          _log(f"SIGTERM: checkpoint at step {step} written; exiting")
-          break
-      self.ckpt.wait()
-      if not self._stop_requested and cfg.train.eval_questions:
-        self._final_eval(total)
-      metrics_lib.plot_metrics(self.workdir)
+      with _StopSignals() as stop:
+        demos = self._demonstrations() if start < sft_steps else None
+        for step in range(start + 1, total + 1):
+          if step <= sft_steps:
+            record = self._sft_step(step, demos)
+          else:
+            if step == sft_steps + 1:
+              self._begin_rl()
+            record = self._rl_step(step)
+          self.state = self.state.replace(step=step)
+          nonfinite_in_a_row = record.pop("_nonfinite_consecutive", 0)
+          self.out.write_metrics(record)
+          self._check_finite(step, nonfinite_in_a_row, record)
+          bar.update(1)
+          bar.set_postfix({k: f"{record[k]:.3g}" for k in ("loss", "reward_mean")
+                           if isinstance(record.get(k), float)})
+          saved = step % cfg.checkpoint.every_steps == 0 or step == total
+          if saved:
+            self._save(record["phase"])
+          if stop.name:
+            if not saved:
+              self._save(record["phase"], force=True)
+            self.ckpt.wait()
+            _log(f"{stop.name}: checkpoint at step {step} written; exiting")
+            break
+        self.ckpt.wait()
+        if not stop.name and cfg.train.eval_questions:
+          self._final_eval(total)
+      self.out.plot()
     finally:
       bar.close()
       self.ckpt.close()
-      signal.signal(signal.SIGTERM, prev)
-
-  def _on_sigterm(self, signum, frame) -> None:
-    del signum, frame
-    self._stop_requested = True
 
   def _begin_rl(self) -> None:
     """Freezes the reference policy and switches to the RL optimizer."""
-    self.ref_params = jax.tree.map(jnp.copy, self.params)
-    self.opt_state = self._init_opt(self.rl_tx)
+    params = self.state.params
+    self.state = self.state.replace(
+        ref_params=state_lib.copy(params),
+        opt_state=self.steps.init_opt(self.steps.rl_tx, params))
 
-  def _rollout_params(self):
-    """The params in the rollout layout (`model.rollout_sharding`, TP by default)."""
-    return sharding_lib.shard_state(self.params, self.mesh, self.cfg.model.rollout_sharding)
-
-  def _init_opt(self, tx):
-    return jax.jit(tx.init, out_shardings=self.opt_sh)(self.params)
+  def _check_finite(self, step: int, n: int, record: dict[str, Any]) -> None:
+    """Stops when ``train.max_consecutive_nonfinite`` (= n) updates in a row were skipped; the
+    checkpoints written so far hold only finite updates."""
+    if n >= self.cfg.train.max_consecutive_nonfinite:
+      raise NonFiniteError(
+          f"step {step}: {n} consecutive updates had a non-finite loss or gradient norm "
+          f"(loss {record.get('loss')}, grad_norm {record.get('grad_norm')}); stopping. The "
+          f"last checkpoint ({self.ckpt.steps()[-1:] or 'none'}) holds finite params; lower "
+          "the learning rate (train.learning_rate / train.sft_learning_rate) and rerun")
 
   def _put(self, x: np.ndarray) -> jax.Array:
-    """Host batch -> device, rows over the mesh's ('data', 'fsdp') axes."""
-    return jax.device_put(x, sharding_lib.batch_sharding(self.mesh, x.shape))
+    return build.put_rows(self.policy.mesh, x)
+
+  @staticmethod
+  def _update_metrics(m: dict[str, Any]) -> dict[str, Any]:
+    """Train-step metrics as floats; the skip counters under their record names."""
+    m = {k: float(v) for k, v in jax.device_get(m).items()}
+    out = {k: v for k, v in m.items() if not k.startswith("nonfinite_")}
+    out["train/nonfinite_updates"] = m.get("nonfinite_updates", 0.0)
+    out["_nonfinite_consecutive"] = int(m.get("nonfinite_consecutive", 0))
+    return out
 
   # ------------------------------------------------------------------ SFT
   def _demonstrations(self) -> traj_lib.TrajectoryBatch:
     t = self.cfg.train
-    qs = self.train_questions[:t.sft_questions] if t.sft_questions else self.train_questions
+    qs = self.data.train[:t.sft_questions] if t.sft_questions else self.data.train
     builders = demos_lib.build_demonstrations(
         qs, self.tokenizer, self.retriever, self.settings,
         only_answer_in_obs=t.sft_only_answer_in_obs)
@@ -252,36 +223,25 @@ class Trainer:
     return traj_lib.collate(builders, self.settings.seq_len, self.tokenizer.pad_id)
 
   def _sft_step(self, step: int, demos: traj_lib.TrajectoryBatch) -> dict[str, Any]:
-    bs = self.cfg.train.sft_batch_size
-    n = demos.tokens.shape[0]
-    per_epoch = max(1, n // bs)
-    epoch, i = divmod(step - 1, per_epoch)
-    perm = np.random.default_rng([self.cfg.seed, epoch]).permutation(n)
-    idx = perm[i * bs:(i + 1) * bs]
-    if len(idx) < bs:
-      idx = np.resize(perm, bs)
-    width = int(demos.lengths[idx].max())
-    tokens = self._put(demos.tokens[idx, :self._bucket(width)])
-    mask = self._put(demos.loss_mask[idx, :self._bucket(width)])
+    idx = rl_batch.sft_indices(demos.tokens.shape[0], self.cfg.train.sft_batch_size,
+                               self.cfg.seed, step)
+    width = rl_batch.bucket(int(demos.lengths[idx].max()), self.settings.seq_len)
+    tokens, mask = self._put(demos.tokens[idx, :width]), self._put(demos.loss_mask[idx, :width])
     t0 = time.perf_counter()
-    self.params, self.opt_state, m = self.sft_step(self.params, self.opt_state, tokens, mask)
-    m = jax.device_get(m)
+    params, opt_state, m = self.steps.sft_step(self.state.params, self.state.opt_state,
+                                               tokens, mask)
+    m = self._update_metrics(m)
     dt = time.perf_counter() - t0
-    ntok = float(demos.lengths[idx].sum())
+    self.state = self.state.replace(params=params, opt_state=opt_state)
     # The RL-only fields are null on SFT steps, so every line has the same keys.
     return {"step": step, "phase": "sft", "reward_mean": None, "em": None,
-            "search_calls_mean": None, "zero_variance_frac": None,
-            "loss": float(m["loss"]), "kl": 0.0,
-            "tokens_per_s": ntok / dt, "step_time_s": dt,
-            **{k: float(v) for k, v in m.items() if k != "loss"}}
-
-  def _bucket(self, width: int) -> int:
-    """Pads the sequence width to a multiple of 64 (fewer recompiles)."""
-    return min(self.settings.seq_len, -(-width // 64) * 64)
+            "search_calls_mean": None, "zero_variance_frac": None, "kl": 0.0,
+            "train/tokens_per_s": float(demos.lengths[idx].sum()) / dt,
+            "rollout/tokens_per_s": None, "step_time_s": dt, **m}
 
   # ------------------------------------------------------------------ RL
   def _rl_step(self, step: int) -> dict[str, Any]:
-    cfg, g = self.cfg, self.cfg.data.group_size
+    cfg, g, p = self.cfg, self.cfg.data.group_size, self.cfg.data.prompts_per_step
     t_start = time.perf_counter()
     if int((self.pool.weights > 0).sum()) < self.pool.num_candidates:
       # Too few active queries to fill a step: start a new pass over the data.
@@ -289,153 +249,84 @@ class Trainer:
            f"queries; re-activating all {self.pool.num_queries}")
       self.pool.weights[:] = 1.0
     cands = self.pool.sample()
-    questions = [self.train_questions[int(i)] for i in cands]
+    questions = [self.data.train[int(i)] for i in cands]
     # Fixed rollout width (k·P groups) so the jitted rollout never recompiles; filler groups
     # repeat the last question and are dropped before the pool update.
-    n_full = self.pool.num_candidates
-    padded = questions + [questions[-1]] * (n_full - len(questions))
+    padded = questions + [questions[-1]] * (self.pool.num_candidates - len(questions))
     key = jax.random.fold_in(jax.random.key(cfg.seed), step)
-    self.retriever_new_step()
-    batch, rmetrics = self.engine.run(self._rollout_params(), [q.question for q in padded for _ in range(g)],
-                                      key)
+    self.retriever.new_step()
+    search_before = self.retriever.metrics()
+    batch, rmetrics = self.engine.run(self.policy.rollout_params(self.state.params),
+                                      [q.question for q in padded for _ in range(g)], key)
     t_roll = time.perf_counter() - t_start
-    n_rows = len(cands) * g
-    rewards = np.array([reward_lib.em_reward(batch.generated_text[r],
-                                             questions[r // g].golden_answers)
-                        for r in range(n_rows)], np.float32).reshape(len(cands), g)
+    rewards = rl_batch.rollout_rewards(batch, [q.golden_answers for q in questions], g)
     accepted, pmetrics = self.pool.update(cands, rewards)
-    rows, valid_groups = self._train_rows(cands, accepted)
-    inputs = self._advantage_inputs(batch, rewards, cands, rows, valid_groups)
-    adv, self.adv_state, ametrics = self._adv_fn(inputs, self.adv_state)
-    sel = rows.reshape(-1)
-    step_ids = batch.step_ids[sel]
-    tok_adv = np.take_along_axis(np.asarray(adv).reshape(len(sel), -1),
-                                 np.maximum(step_ids, 0), axis=1) * (step_ids >= 0)
-    row_valid = np.repeat(valid_groups, g).astype(np.float32)
-    width = self._bucket(int(batch.lengths[sel].max()))
+    rows, valid = rl_batch.train_rows(cands, accepted, p, g)
+    inputs = rl_batch.advantage_inputs(
+        batch, rewards, rows, valid, self.settings.max_turns + 1,
+        anchor_grouping=build.anchor_grouping(self.adv_cfg),
+        similarity_thresh=self.adv_cfg.gigpo_similarity_thresh)
+    adv, adv_state, ametrics = self.adv_fn(inputs, self.state.adv_state)
+    self.state = self.state.replace(adv_state=adv_state)
+    tokens, mask, tok_adv = rl_batch.train_batch(batch, rows, valid, np.asarray(adv))
     t1 = time.perf_counter()
-    if valid_groups.any():
-      self.params, self.opt_state, lm = self.rl_step(
-          self.params, self.opt_state, self.ref_params,
-          self._put(batch.tokens[sel, :width]),
-          self._put(batch.loss_mask[sel, :width] * row_valid[:, None]),
-          self._put(tok_adv[:, :width].astype(np.float32)))
-      lm = {k: float(v) for k, v in jax.device_get(lm).items()}
+    if valid.any():
+      params, opt_state, lm = self.steps.rl_step(
+          self.state.params, self.state.opt_state, self.state.ref_params,
+          self._put(tokens), self._put(mask), self._put(tok_adv))
+      lm = self._update_metrics(lm)
+      self.state = self.state.replace(params=params, opt_state=opt_state)
     else:
       lm = {"loss": 0.0, "kl": 0.0, "pg_loss": 0.0}
     t_train = time.perf_counter() - t1
     gen_tokens = rmetrics["rollout/generated_tokens"]
+    sel = rows.reshape(-1)
     record = {
         "step": step, "phase": "rl",
-        "reward_mean": float(rewards.mean()), "em": float(rewards.mean()),
-        "search_calls_mean": float(batch.search_calls[:n_rows].mean()),
-
+        **rl_batch.rollout_metrics(batch, rewards),
         "loss": lm.get("loss", 0.0), "kl": lm.get("kl", 0.0),
-        "tokens_per_s": gen_tokens / max(t_roll, 1e-9),
-        "train_tokens_per_s": (float(batch.lengths[sel].sum()) / t_train
-                               if valid_groups.any() else 0.0),
+        "train/tokens_per_s": (float(batch.lengths[sel].sum()) / t_train
+                               if valid.any() else 0.0),
+        "rollout/tokens_per_s": gen_tokens / max(t_roll, 1e-9),
         "response_tokens_mean": gen_tokens / len(batch.lengths),
-        "turns_mean": float(batch.num_steps[:n_rows].mean()),
-        "answered_frac": float(np.mean([reward_lib.extract_answer(t) is not None
-                                        for t in batch.generated_text[:n_rows]])),
-        "trained_groups": int(valid_groups.sum()),
+        "trained_groups": int(valid.sum()),
         "step_time_s": time.perf_counter() - t_start,
         **{k: v for k, v in lm.items() if k not in ("loss", "kl")},
+        # the advantage's own zero-variance share covers the trained groups only
         **{("adv/" + k if k == "zero_variance_frac" else k): float(v)
            for k, v in jax.device_get(ametrics).items()},
-        # over every rolled-out group (the advantage metric covers the trained ones only)
-        "zero_variance_frac": float(np.mean([r.min() == r.max() for r in rewards])),
         **{k: float(v) for k, v in pmetrics.items()},
         **{k: float(v) for k, v in rmetrics.items()},
-        **{f"search/{k}": float(v) for k, v in self._search_metrics().items()},
+        # this step's search counters (the retriever's counters are cumulative)
+        **{f"search/{k}": float(v - search_before.get(k, 0))
+           for k, v in self.retriever.metrics().items()},
     }
     if step % cfg.train.sample_every == 0:
-      self._write_samples(step, batch, questions, rewards)
+      self._write_samples(f"step_{step:06d}.txt", step, batch, questions,
+                          rewards.reshape(-1), n=4, g=g)
     return record
 
-  def retriever_new_step(self) -> None:
-    """Per-step query cache and per-step search counters (so resumed runs log the same)."""
-    if hasattr(self.retriever, "new_step"):
-      self.retriever.new_step()
-    if hasattr(self.retriever, "reset_metrics"):
-      self.retriever.reset_metrics()
-
-  def _search_metrics(self) -> dict[str, float]:
-    return dict(self.retriever.metrics()) if hasattr(self.retriever, "metrics") else {}
-
-  def _train_rows(self, cands: np.ndarray, accepted) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of the P trained groups: accepted candidates first, padded with unused ones.
-
-    Returns:
-      (rows i32[P, G] into the rollout batch, valid bool[P]).
-    """
-    p, g = self.cfg.data.prompts_per_step, self.cfg.data.group_size
-    pos = {int(c): i for i, c in enumerate(cands)}
-    acc = [pos[int(a)] for a in accepted][:p]
-    rest = [i for i in range(len(cands)) if i not in set(acc)]
-    order = (acc + rest + [0] * p)[:p]
-    valid = np.array([i < len(acc) for i in range(p)])
-    rows = np.array([[o * g + j for j in range(g)] for o in order], np.int32)
-    return rows, valid
-
-  def _advantage_inputs(self, batch, rewards, cands, rows, valid_groups):
-    p, g = rows.shape
-    t = self.settings.max_turns + 1
-    cand_idx = rows[:, 0] // g
-    r = rewards[cand_idx]                                     # [P, G]
-    valid = np.repeat(valid_groups[:, None], g, axis=1)
-    flat = rows.reshape(-1)
-    nsteps = batch.num_steps[flat].reshape(p, g)
-    step_valid = (np.arange(t)[None, None, :] < nsteps[..., None]) & valid[..., None]
-    last = np.clip(nsteps - 1, 0, t - 1)
-    step_rewards = np.zeros((p, g, t), np.float32)
-    np.put_along_axis(step_rewards, last[..., None], r[..., None], axis=2)
-    step_rewards *= step_valid
-    anchor_ids = np.zeros((p, g, t), np.int32)
-    if self.adv_cfg.step == "gigpo":
-      anchors = [[batch.anchors[i][:batch.num_steps[i]] for i in row] for row in rows]
-      if self.adv_cfg.gigpo_grouping == "similarity":
-        ids = anchors_lib.similarity_anchor_ids(anchors, self.adv_cfg.gigpo_similarity_thresh)
-      else:
-        ids = anchors_lib.exact_anchor_ids(anchors)
-      anchor_ids[:, :, :ids.shape[2]] = ids
-    action_valid = np.ones((p, g, t), bool)
-    for pi, row in enumerate(rows):
-      for gi, i in enumerate(row):
-        av = batch.action_valid[i][:t]
-        action_valid[pi, gi, :len(av)] = av
-    return adv_lib.AdvantageInputs(
-        rewards=jnp.asarray(r), valid=jnp.asarray(valid),
-        strata=jnp.asarray(batch.search_calls[flat].reshape(p, g)),
-        step_rewards=jnp.asarray(step_rewards), step_valid=jnp.asarray(step_valid),
-        anchor_ids=jnp.asarray(anchor_ids), action_valid=jnp.asarray(action_valid))
-
-  def _write_samples(self, step, batch, questions, rewards, n: int = 4,
-                     name: str | None = None, g: int | None = None) -> None:
-    g = g or self.cfg.data.group_size
-    rows = list(range(min(n, len(batch.lengths))))
+  # ------------------------------------------------------------------ outputs
+  def _write_samples(self, name: str, step: int, batch: traj_lib.TrajectoryBatch,
+                     questions, rewards, *, n: int, g: int) -> None:
+    rows = list(range(min(n, len(batch.lengths), len(questions) * g)))
     texts = [self.tokenizer.decode(batch.tokens[i, :batch.lengths[i]][
         np.argmax(batch.loss_mask[i] > 0):]) for i in rows]
-    path = os.path.join(self.workdir, "samples", name or f"step_{step:06d}.txt")
-    metrics_lib.write_samples(path, step, [questions[i // g].question for i in rows],
-                              [questions[i // g].golden_answers for i in rows],
-                              [float(rewards.reshape(-1)[i]) for i in rows], texts,
-                              [int(batch.search_calls[i]) for i in rows])
+    self.out.write_samples(name, step, [questions[i // g].question for i in rows],
+                           [questions[i // g].golden_answers for i in rows],
+                           [float(rewards[i]) for i in rows], texts,
+                           [int(batch.search_calls[i]) for i in rows])
 
   def _final_eval(self, step: int) -> None:
     """Greedy rollouts on held-out questions; writes eval.json and a sample file."""
-    qs = self.eval_questions[:self.cfg.train.eval_questions]
+    qs = self.data.eval[:self.cfg.train.eval_questions]
     if not qs:
       return
-    engine = callback_lib.make_engine(
-        self.cfg.rollout.engine, self.model_cfg, self.graphdef, self.tokenizer, self.retriever,
-        host_loop.RolloutSettings(**{**self.settings.__dict__, "greedy": True}), mesh=self.mesh)
-    batch, _ = engine.run(self._rollout_params(), [q.question for q in qs], jax.random.key(0))
-    em = np.array([reward_lib.em_reward(batch.generated_text[i], q.golden_answers)
-                   for i, q in enumerate(qs)], np.float32)
-    out = {"step": step, "eval/em": float(em.mean()), "eval/n": len(qs),
-           "eval/search_calls_mean": float(batch.search_calls.mean())}
-    with open(os.path.join(self.workdir, "eval.json"), "w") as f:
-      json.dump(out, f, indent=1)
-    self._write_samples(step, batch, qs, em, n=8, name="eval_samples.txt", g=1)
-    _log(f"eval on {len(qs)} held-out questions: EM {em.mean():.3f}")
+    engine = build.build_engine(self.cfg, self.policy, self.tokenizer, self.retriever,
+                                greedy=True)
+    results, metrics, batch = evaluate_lib.evaluate(
+        engine, self.policy.rollout_params(self.state.params), qs, jax.random.key(0))
+    self.out.write_json("eval.json", {"step": step, **metrics})
+    self._write_samples("eval_samples.txt", step, batch, qs, [r.em for r in results], n=8,
+                        g=1)
+    _log(f"eval on {len(qs)} held-out questions: EM {metrics['eval/em']:.3f}")

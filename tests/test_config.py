@@ -14,9 +14,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_base_config_is_valid_and_has_all_sections():
   cfg = config_lib.base_config()
   config_lib.validate(cfg)
-  for section in ("data", "model", "rollout", "search", "advantage", "train", "checkpoint"):
+  for section in ("data", "model", "rollout", "search", "advantage", "loss", "train",
+                  "checkpoint"):
     assert section in cfg
   assert "seed" in cfg
+
+
+def test_loss_section_is_ppo_loss_options_with_one_default_each():
+  import inspect  # pylint: disable=import-outside-toplevel
+  from gigrl import loss  # pylint: disable=import-outside-toplevel
+  cfg = config_lib.base_config()
+  sig = inspect.signature(loss.ppo_loss).parameters
+  assert set(cfg.loss) == set(loss.options())
+  for name, value in loss.kwargs_from_config(cfg.loss).items():
+    assert value == sig[name].default, name       # the config default is the function's
+  for old in ("kl_coef", "kl_type", "clip_ratio_c", "loss_agg_mode", "entropy_coeff",
+              "log_every"):
+    assert old not in cfg.train                   # one name per option, no dead fields
 
 
 @pytest.mark.parametrize("field,value,allowed", [
@@ -25,9 +39,11 @@ def test_base_config_is_valid_and_has_all_sections():
     ("rollout.max_turns", -1, ">= 0"),
     ("rollout.engine", "vllm", "one of"),
     ("rollout.top_p", 0.0, "> 0"),
-    ("train.loss_agg_mode", "mean", "one of"),
-    ("train.kl_type", "k9", "one of"),
-    ("train.clip_ratio_c", 1.0, "> 1"),
+    ("loss.loss_agg_mode", "mean", "one of"),
+    ("loss.kl_loss_type", "k9", "one of"),
+    ("loss.clip_ratio_c", 1.0, "> 1"),
+    ("loss.loss_scale_factor", -1.0, "> 0"),
+    ("train.max_consecutive_nonfinite", 0, ">= 1"),
     ("data.group_size", 0, ">= 1"),
     ("data.pool.rule", "epochs", "one of"),
     ("search.backend", "faiss", "one of"),

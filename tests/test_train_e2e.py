@@ -8,7 +8,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED = ("step", "reward_mean", "em", "search_calls_mean", "zero_variance_frac", "loss",
-            "kl", "tokens_per_s", "phase")
+            "kl", "train/tokens_per_s", "rollout/tokens_per_s", "phase")
 TINY = ["--config.train.sft_steps=2", "--config.train.num_steps=2",
         "--config.data.max_train_questions=8", "--config.data.prompts_per_step=2",
         "--config.data.group_size=2", "--config.model.preset=tiny",
@@ -46,8 +46,9 @@ def test_outputs(run_dir):
   assert [r["phase"] for r in rows] == ["sft", "sft", "rl", "rl"]
   for r in rows:
     assert all(k in r for k in REQUIRED), sorted(r)
+    assert "tokens_per_s" not in r       # one meaning per key: train/ or rollout/
   for r in rows[2:]:
-    assert 0.0 <= r["reward_mean"] <= 1.0 and r["tokens_per_s"] > 0
+    assert 0.0 <= r["reward_mean"] <= 1.0 and r["rollout/tokens_per_s"] > 0
     assert "pool/size" in r and "adv/mean" in r
   assert os.path.exists(os.path.join(run_dir, "samples", "step_000003.txt"))
   sample = open(os.path.join(run_dir, "samples", "step_000003.txt")).read()

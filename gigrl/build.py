@@ -1,0 +1,278 @@
+"""Setup of a run from its config: data, model on the mesh, optimizers, jitted steps, engine.
+
+Each builder is a function of the config (and of what earlier builders returned), so the
+trainer, the evaluation command and the tests assemble exactly the pieces they need:
+
+  data = load_data(cfg, workdir)            questions (train / held-out eval), tokenizer
+  policy = build_policy(cfg, vocab_size)    ModelConfig, mesh, graphdef, params + shardings
+  steps = build_steps(cfg, policy)          SFT / RL optimizers and jitted train steps
+  engine = build_engine(cfg, policy, tokenizer, retriever)
+
+The train steps are lowered and run inside ``jax.set_mesh(mesh)``, so activations are
+batch-sharded over the mesh's ``('data', 'fsdp')`` axes (``gigrl.models.transformer.
+constrain_batch``); :func:`check_rows_fit_mesh` refuses row counts that the mesh does not divide.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+from etils import epath
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gigrl import advantages as adv_lib
+from gigrl import loss as loss_lib
+from gigrl import models
+from gigrl import update as update_lib
+from gigrl.config_utils import ConfigError
+from gigrl.data import qa
+from gigrl.data import tfds_qa
+from gigrl.data import tokenizer as tok_lib
+from gigrl.models import sharding as sharding_lib
+from gigrl.rollout import engine as engine_lib
+
+
+# ------------------------------------------------------------------------------------ data
+@dataclasses.dataclass
+class Data:
+  """Questions and tokenizer of a run.
+
+  Attributes:
+    train: training questions, sorted by (data_source, id).
+    eval: held-out questions (the fixed eval split), sorted the same way.
+    tokenizer: the run's tokenizer (``data.tokenizer``).
+  """
+  train: list[qa.Question]
+  eval: list[qa.Question]
+  tokenizer: Any
+
+
+def load_data(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike) -> Data:
+  """Loads the ``data`` section's questions (TFDS split) and tokenizer.
+
+  Raises:
+    ConfigError: an unknown name in ``data.train_sources``; no training question left; a
+      question in both the train and the eval split (a leak).
+  """
+  d = cfg.data
+  tokenizer = tok_lib.load(d.tokenizer)
+  tfds_dir = d.tfds_dir or str(epath.Path(workdir) / "tfds")
+  files = [d.questions_file] if d.questions_file else None
+  builder = tfds_qa.build(tfds_dir, files, d.eval_percent)
+  train = tfds_qa.read_split(builder, "train")
+  if not d.questions_file:
+    sources = [s.strip() for s in d.train_sources.split(",") if s.strip()]
+    known = sorted({q.data_source for q in train})
+    unknown = [s for s in sources if s not in known]
+    if unknown:
+      raise ConfigError("data.train_sources", d.train_sources,
+                        f"bundled training sets among {', '.join(known)} "
+                        f"(unknown: {', '.join(unknown)})")
+    train = [q for q in train if q.data_source in set(sources)]
+  # TFDS shuffles rows by key hash at build time; sort for a readable, stable order.
+  train.sort(key=lambda q: (q.data_source, q.id))
+  if d.max_train_questions:
+    train = train[:d.max_train_questions]
+  field = "data.questions_file" if d.questions_file else "data.train_sources"
+  if not train:
+    raise ConfigError(field, d.questions_file or d.train_sources,
+                      "a set with training questions (check data.eval_percent and "
+                      "data.max_train_questions)")
+  held_out = tfds_qa.read_split(builder, "eval")
+  held_out.sort(key=lambda q: (q.data_source, q.id))
+  check_no_leak(train, held_out, field, d.questions_file or d.train_sources)
+  return Data(train=train, eval=held_out, tokenizer=tokenizer)
+
+
+def check_no_leak(train: Sequence[qa.Question], held_out: Sequence[qa.Question], field: str,
+                  value: Any) -> None:
+  """Raises ConfigError (naming ``field``) when a normalised question is in both splits."""
+  overlap = ({qa.normalize_answer(q.question) for q in train}
+             & {qa.normalize_answer(q.question) for q in held_out})
+  if overlap:
+    raise ConfigError(field, value,
+                      f"train and eval questions that differ; {len(overlap)} are in both "
+                      f"splits, e.g. {sorted(overlap)[:3]} (deduplicate the questions)")
+
+
+# ---------------------------------------------------------------------------------- policy
+@dataclasses.dataclass
+class Policy:
+  """The policy on the training mesh.
+
+  Attributes:
+    model_cfg: the ``ModelConfig``; graphdef: its ``nnx.GraphDef``.
+    mesh: the ``('data', 'fsdp', 'tp')`` mesh of ``model.mesh``.
+    params: ``nnx.State`` in the ``model.train_sharding`` layout; param_sh: its shardings.
+    train_preset, rollout_preset: ``model.train_sharding`` / ``model.rollout_sharding``.
+  """
+  model_cfg: Any
+  graphdef: Any
+  mesh: jax.sharding.Mesh
+  params: Any
+  param_sh: Any
+  train_preset: str
+  rollout_preset: str
+
+  def rollout_params(self, params: Any) -> Any:
+    """``params`` in the rollout layout (``model.rollout_sharding``)."""
+    return sharding_lib.shard_state(params, self.mesh, self.rollout_preset)
+
+  def describe(self) -> str:
+    """One line: size, shape, dtype and layout."""
+    c = self.model_cfg
+    n = sum(x.size for x in jax.tree.leaves(self.params))
+    return (f"{n / 1e6:.2f}M params (L={c.num_layers}, D={c.hidden_size}, "
+            f"heads {c.num_heads}/{c.num_kv_heads}, vocab {c.vocab_size}, {c.dtype}) on mesh "
+            f"{dict(self.mesh.shape)}, {self.train_preset} for training")
+
+
+def build_policy(cfg: ml_collections.ConfigDict, vocab_size: int) -> Policy:
+  """Builds (or loads from ``model.hf_path``) the policy straight onto the training mesh."""
+  m = cfg.model
+  model_cfg = models.model_config_from(m, vocab_size)
+  mesh = sharding_lib.mesh_from_config(m)
+  if m.hf_path:   # each tensor goes straight to its shard (no full host copy)
+    model, model_cfg = models.from_hf(m.hf_path, dtype=m.dtype, param_dtype=m.param_dtype,
+                                      mesh=mesh, preset=m.train_sharding, remat=m.remat)
+  else:
+    model = models.Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed))
+  graphdef, params = nnx.split(model)
+  param_sh = sharding_lib.param_shardings(params, mesh, m.train_sharding)
+  params = sharding_lib.shard_state(params, mesh, m.train_sharding)
+  return Policy(model_cfg=model_cfg, graphdef=graphdef, mesh=mesh, params=params,
+                param_sh=param_sh, train_preset=m.train_sharding,
+                rollout_preset=m.rollout_sharding)
+
+
+def batch_axis_size(mesh: jax.sharding.Mesh) -> int:
+  """Devices the batch dimension is split over (``data`` × ``fsdp``)."""
+  return int(np.prod([mesh.shape[a] for a in sharding_lib.BATCH]))
+
+
+def check_rows_fit_mesh(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> None:
+  """The trained rows of every step split evenly over the batch axes.
+
+  Raises:
+    ConfigError: ``data.prompts_per_step`` × ``data.group_size`` (RL) or
+      ``train.sft_batch_size`` (SFT) is not a multiple of the mesh's data × fsdp size.
+  """
+  n = batch_axis_size(mesh)
+  shape = dict(mesh.shape)
+  p, g = int(cfg.data.prompts_per_step), int(cfg.data.group_size)
+  if cfg.train.num_steps and (p * g) % n:
+    raise ConfigError("data.prompts_per_step", p,
+                      f"data.prompts_per_step × data.group_size (= {p} × {g} = {p * g} rows "
+                      f"per RL step) divisible by the mesh's data × fsdp = {n} (mesh "
+                      f"{shape}); change either field or model.mesh")
+  if cfg.train.sft_steps and int(cfg.train.sft_batch_size) % n:
+    raise ConfigError("train.sft_batch_size", int(cfg.train.sft_batch_size),
+                      f"a multiple of the mesh's data × fsdp = {n} (mesh {shape})")
+
+
+def put_rows(mesh: jax.sharding.Mesh, x: np.ndarray) -> jax.Array:
+  """Process-local host rows -> a global array, rows over ``('data', 'fsdp')``.
+
+  On one process the local rows are all rows. Rows must divide the batch axes
+  (:func:`check_rows_fit_mesh`); there is no replicated fallback.
+  """
+  spec = P(sharding_lib.BATCH, *([None] * (x.ndim - 1)))
+  return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), np.asarray(x))
+
+
+# ----------------------------------------------------------------------------------- steps
+@dataclasses.dataclass
+class Steps:
+  """Optimizers and jitted train steps (each ``(params, opt_state, ...) -> (params,
+  opt_state, metrics)``, params and optimizer state donated, run inside the mesh).
+
+  Attributes:
+    sft_tx, rl_tx: the SFT and RL optimizers (one state structure).
+    opt_sh: shardings of the optimizer state.
+    sft_step: ``(params, opt_state, tokens, loss_mask)``.
+    rl_step: ``(params, opt_state, ref_params, tokens, loss_mask, token_advantages)``.
+    init_opt: ``tx -> params -> opt_state`` on ``opt_sh``.
+  """
+  sft_tx: optax.GradientTransformation
+  rl_tx: optax.GradientTransformation
+  opt_sh: Any
+  sft_step: Callable
+  rl_step: Callable
+  init_opt: Callable
+
+
+def in_mesh(fn: Callable, mesh: jax.sharding.Mesh) -> Callable:
+  """``fn`` called (and so traced, lowered and run) inside ``jax.set_mesh(mesh)``."""
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with jax.set_mesh(mesh):
+      return fn(*args, **kwargs)
+  return wrapped
+
+
+def max_generated_tokens(cfg: ml_collections.ConfigDict) -> int:
+  """Upper bound on a trajectory's generated tokens: (max_turns + 1) × max_new_tokens."""
+  return (int(cfg.rollout.max_turns) + 1) * int(cfg.rollout.max_new_tokens)
+
+
+def build_steps(cfg: ml_collections.ConfigDict, policy: Policy) -> Steps:
+  """The SFT and RL optimizers and jitted steps (RL: :func:`gigrl.update.rl_loss`, i.e.
+  :func:`gigrl.loss.ppo_loss` with the ``loss`` section's options)."""
+  sft_tx = update_lib.optimizer_from_config(cfg.train, "sft")
+  rl_tx = update_lib.optimizer_from_config(cfg.train, "rl")
+  opt_sh = sharding_lib.opt_state_shardings(jax.eval_shape(sft_tx.init, policy.params),
+                                            policy.params, policy.mesh, policy.train_preset)
+  repl = NamedSharding(policy.mesh, P())
+  out_sh = (policy.param_sh, opt_sh, repl)
+  kw = dict(max_tokens=max_generated_tokens(cfg), chunk_size=int(cfg.model.logprob_chunk_size))
+  sft_step = update_lib.make_step(
+      update_lib.sft_loss_fn(policy.graphdef, **kw), sft_tx,
+      in_shardings=(policy.param_sh, opt_sh, None, None), out_shardings=out_sh)
+  rl_step = update_lib.make_step(
+      update_lib.rl_loss_fn(policy.graphdef, loss_options=loss_lib.kwargs_from_config(cfg.loss),
+                            **kw), rl_tx,
+      in_shardings=(policy.param_sh, opt_sh, policy.param_sh, None, None, None),
+      out_shardings=out_sh)
+
+  def init_opt(tx, params):
+    return in_mesh(jax.jit(tx.init, out_shardings=opt_sh), policy.mesh)(params)
+
+  return Steps(sft_tx=sft_tx, rl_tx=rl_tx, opt_sh=opt_sh,
+               sft_step=in_mesh(sft_step, policy.mesh), rl_step=in_mesh(rl_step, policy.mesh),
+               init_opt=init_opt)
+
+
+# ------------------------------------------------------------------------------ advantages
+def build_advantages(cfg: ml_collections.ConfigDict):
+  """(AdvantageConfig, jitted ``fn(inputs, state) -> (adv, state, metrics)``, initial state)."""
+  adv_cfg = adv_lib.AdvantageConfig.from_config(cfg.advantage)
+  fn = jax.jit(functools.partial(adv_lib.compute_advantages, adv_cfg))
+  return adv_cfg, fn, adv_lib.init_state(adv_cfg)
+
+
+def anchor_grouping(adv_cfg) -> str | None:
+  """The anchor-id grouping the advantage config needs (None without a step estimator)."""
+  return adv_cfg.gigpo_grouping if adv_cfg.step == "gigpo" else None
+
+
+# ---------------------------------------------------------------------------------- engine
+def rollout_settings(cfg: ml_collections.ConfigDict, *, greedy: bool | None = None
+                     ) -> engine_lib.RolloutSettings:
+  """The ``rollout`` section as engine settings (``greedy`` overrides ``rollout.greedy``)."""
+  s = engine_lib.settings_from_config(cfg.rollout, cfg.search.topk)
+  return s if greedy is None else dataclasses.replace(s, greedy=bool(greedy))
+
+
+def build_engine(cfg: ml_collections.ConfigDict, policy: Policy, tokenizer, retriever, *,
+                 greedy: bool | None = None) -> engine_lib.RolloutEngine:
+  """The ``rollout.engine`` engine on the policy's mesh (``greedy=True`` for evaluation)."""
+  return engine_lib.make_engine(cfg.rollout.engine, policy.model_cfg, policy.graphdef,
+                                tokenizer, retriever, rollout_settings(cfg, greedy=greedy),
+                                mesh=policy.mesh)

@@ -1,0 +1,83 @@
+"""The whole state of a run: one pytree that is checkpointed and restored as a unit.
+
+``TrainState`` holds every array a resumed run needs (params, optimizer state, reference params,
+advantage-estimator state) and, as static fields, the step counter and the query pool's state
+(JSON, numpy RNG included). :mod:`gigrl.checkpoint` saves the array leaves with orbax and the
+static fields as JSON; nothing else is needed to continue a run bitwise (docs/architecture.md,
+"Resume equality").
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class TrainState:
+  """A run's state after ``step`` completed steps (SFT and RL counted together).
+
+  Attributes:
+    params: the policy's ``nnx.State`` (training layout).
+    opt_state: optax state of the current phase's optimizer (SFT and RL optimizers share one
+      tree structure, :func:`gigrl.update.make_optimizer`).
+    ref_params: the frozen reference policy (the params at the end of the SFT warm-start). Before
+      RL starts it holds the params, so the tree has one structure in both phases.
+    adv_state: :class:`gigrl.advantages.AdvantageState` (HA-DW's belief history).
+    step: completed steps (static: a Python int).
+    pool: :meth:`gigrl.data.pool.QueryPool.state_dict` (static, JSON-serialisable).
+  """
+  params: Any
+  opt_state: Any
+  ref_params: Any
+  adv_state: Any
+  step: int = struct.field(pytree_node=False, default=0)
+  pool: dict = struct.field(pytree_node=False, default_factory=dict)
+
+  def arrays(self) -> dict[str, Any]:
+    """The array part, as saved by orbax: {params, opt_state, ref_params, adv_state}."""
+    return {"params": self.params, "opt_state": self.opt_state, "ref_params": self.ref_params,
+            "adv_state": self.adv_state}
+
+  def static(self) -> dict[str, Any]:
+    """The JSON part: {step, pool}."""
+    return {"step": int(self.step), "pool": self.pool}
+
+  @classmethod
+  def from_parts(cls, arrays: dict[str, Any], static: dict[str, Any]) -> "TrainState":
+    """Inverse of (:meth:`arrays`, :meth:`static`)."""
+    return cls(params=arrays["params"], opt_state=arrays["opt_state"],
+               ref_params=arrays["ref_params"], adv_state=arrays["adv_state"],
+               step=int(static["step"]), pool=dict(static["pool"]))
+
+
+def abstract(state: TrainState) -> TrainState:
+  """The same state with every array replaced by a ``jax.ShapeDtypeStruct`` that keeps its
+  sharding (the restore target; orbax puts each array straight onto that sharding)."""
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+      state)
+
+
+def copy(state: TrainState) -> TrainState:
+  """Device copies of every array (the async checkpoint writer reads them after the next train
+  step has donated, i.e. freed, the originals)."""
+  return jax.tree.map(jnp.copy, state)
+
+
+def describe_structure(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+  """{'path/to/leaf': (shape, dtype)} of an array tree (live, abstract or orbax metadata)."""
+  out = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    key = "/".join(_key_str(k) for k in path)
+    out[key] = (tuple(int(d) for d in x.shape), str(x.dtype))
+  return out
+
+
+def _key_str(k) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
