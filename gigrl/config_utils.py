@@ -1,16 +1,26 @@
 """Validation helpers shared by every config section.
 
 Every section of the ml_collections config (``data``, ``model``, ``rollout``,
-``search``, ``advantage``, ``train``, ``checkpoint``) is validated at start-up
-by the module that owns it. A bad value raises :class:`ConfigError`, whose
-message names the dotted field, the bad value and what is allowed.
+``search``, ``advantage``, ``loss``, ``train``, ``checkpoint``) is validated at
+start-up by the module that owns it. A bad value raises :class:`ConfigError`,
+whose message names the dotted field, the bad value and what is allowed. Every
+error a user can cause derives from :class:`UserError`.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Iterable
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+  """An error the user can fix (a config value, a data file, a server, a path).
+
+  ``gigrl-train`` prints its message as one line (no traceback) and exits with
+  status 2. Subclasses: :class:`ConfigError`, ``gigrl.data.qa.DataError``.
+  """
+
+
+class ConfigError(UserError, ValueError):
   """A config field holds a value that is not allowed.
 
   Attributes:
@@ -63,3 +73,32 @@ def check_range(cfg: Any, field: str, lo: float | None = None,
   if hi is not None and (value >= hi if hi_open else value > hi):
     raise ConfigError(field, value, desc)
   return value
+
+
+def check_file(cfg: Any, field: str, what: str) -> str:
+  """Checks that ``cfg.<field>`` names a readable file with a non-blank line.
+
+  Args:
+    cfg: the config (or a dict holding the section).
+    field: dotted field name, e.g. ``"data.questions_file"``.
+    what: what the file should be, for the message (e.g. "a Search-R1 corpus jsonl").
+  Returns:
+    The path.
+  Raises:
+    ConfigError: naming the field when the path is not a string, does not
+      exist, is not a file, cannot be read or holds only blank lines.
+  """
+  path = get_field(cfg, field)
+  if not isinstance(path, str) or not path:
+    raise ConfigError(field, path, f"the path of {what}")
+  if not os.path.isfile(path):
+    problem = "is a directory" if os.path.isdir(path) else "does not exist"
+    raise ConfigError(field, path, f"the path of {what} ({path} {problem})")
+  try:
+    with open(path, "rb") as f:
+      has_content = any(line.strip() for line in f)
+  except OSError as e:
+    raise ConfigError(field, path, f"a readable file ({e.strerror})") from None
+  if not has_content:
+    raise ConfigError(field, path, f"{what} with at least one row (the file is empty)")
+  return path

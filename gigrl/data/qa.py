@@ -8,7 +8,12 @@ Formats (Search-R1 `scripts/data_process/*.py`, FlashRAG_datasets):
 An optional ``"split": "train" | "eval"`` pins a question's side of the train/eval split (the
 ``countries`` set splits by country this way); rows without it are split by hash.
 
-A malformed row raises :class:`DataError` naming the file, the 1-based line and the field.
+A malformed row raises :class:`DataError` naming the file, the 1-based line and the field; a
+file without rows raises it naming the file.
+
+The bundled sets are one table, :data:`BUNDLED_SETS` (question file, corpus file, the
+``data_source`` names in it); ``data.train_sources`` is checked against it at start-up
+(:func:`check_train_sources`).
 """
 from __future__ import annotations
 
@@ -21,13 +26,21 @@ import string
 from importlib import resources
 from typing import Iterator, Sequence
 
+from gigrl.config_utils import ConfigError, UserError
 
-class DataError(ValueError):
-  """A data file has a malformed row. Message names file, line and field."""
+
+class DataError(UserError, ValueError):
+  """A data file has a malformed row (or none). Message names file, line and field.
+
+  Attributes:
+    path: the file; line: 1-based line number (0 when the whole file is at fault);
+    field: the JSON field (``"<json>"``, ``"<row>"``, ``"<file>"`` for non-field problems).
+  """
 
   def __init__(self, path: str, line: int, field: str, problem: str):
     self.path, self.line, self.field = path, line, field
-    super().__init__(f"{path}:{line}: field '{field}': {problem}")
+    where = f"{path}:{line}: field '{field}'" if line else path
+    super().__init__(f"{where}: {problem}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,21 +66,71 @@ def bundled_dir() -> str:
   return str(resources.files("gigrl.data") / "files")
 
 
-BUNDLED_QUESTION_FILES = (
-    "r1searcher_retrieved/hotpotqa_questions.jsonl",
-    "r1searcher_retrieved/2wikimultihopqa_questions.jsonl",
-    "r1searcher_retrieved/bamboogle_questions.jsonl",
-    "ircot_fewshot/questions.jsonl",
-    "countries/questions.jsonl",      # gigrl.data.countries (GeoNames), split pinned by country
+@dataclasses.dataclass(frozen=True)
+class BundledSet:
+  """One bundled question file (paths relative to :func:`bundled_dir`).
+
+  Attributes:
+    questions: the question jsonl.
+    corpus: the corpus its questions' passages are in (merged into the bundled corpus).
+    id_prefix: namespace of that corpus's ids in the merged corpus ('' = as stored).
+    sources: the ``data_source`` names of its rows (the names ``data.train_sources`` takes).
+    eval_only: the whole set is held out for evaluation (never trained on).
+  """
+  questions: str
+  corpus: str
+  id_prefix: str
+  sources: tuple[str, ...]
+  eval_only: bool = False
+
+
+# The bundled sets: one row each (DATA_LICENSE.md gives origin and licence). Bamboogle is
+# held out whole (out-of-domain, as in Search-R1's tables).
+BUNDLED_SETS = (
+    BundledSet("r1searcher_retrieved/hotpotqa_questions.jsonl", "r1searcher_retrieved/corpus.jsonl",
+               "", ("hotpotqa",)),
+    BundledSet("r1searcher_retrieved/2wikimultihopqa_questions.jsonl",
+               "r1searcher_retrieved/corpus.jsonl", "", ("2wikimultihopqa",)),
+    BundledSet("r1searcher_retrieved/bamboogle_questions.jsonl",
+               "r1searcher_retrieved/corpus.jsonl", "", ("bamboogle",), eval_only=True),
+    BundledSet("ircot_fewshot/questions.jsonl", "ircot_fewshot/corpus.jsonl", "ircot-",
+               ("hotpotqa", "2wikimultihopqa", "musique", "iirc")),
+    # gigrl.data.countries (GeoNames); split pinned by country; corpus ids 'countries-<ISO2>-<kind>'
+    BundledSet("countries/questions.jsonl", "countries/corpus.jsonl", "", ("countries",)),
 )
+BUNDLED_QUESTION_FILES = tuple(s.questions for s in BUNDLED_SETS)
 # Corpus files and the id namespace each gets when merged (ids collide otherwise).
-BUNDLED_CORPUS_FILES = (
-    ("r1searcher_retrieved/corpus.jsonl", ""),
-    ("ircot_fewshot/corpus.jsonl", "ircot-"),
-    ("countries/corpus.jsonl", ""),   # ids already 'countries-<ISO2>-<kind>'
-)
-# Whole sets held out for evaluation (out-of-domain, as in Search-R1's tables).
-EVAL_ONLY_SOURCES = ("bamboogle",)
+BUNDLED_CORPUS_FILES = tuple(dict.fromkeys((s.corpus, s.id_prefix) for s in BUNDLED_SETS))
+EVAL_ONLY_SOURCES = tuple(dict.fromkeys(
+    src for s in BUNDLED_SETS if s.eval_only for src in s.sources))
+TRAIN_SOURCES = tuple(sorted({src for s in BUNDLED_SETS if not s.eval_only for src in s.sources}))
+
+
+def check_train_sources(value: str, field: str = "data.train_sources") -> list[str]:
+  """Parses a comma-separated list of bundled training sets (``data.train_sources``).
+
+  Returns:
+    The names, in order, without blanks and repeats.
+  Raises:
+    ConfigError: naming ``field`` when a name is not a bundled set (the message lists the
+      known ones), a set is eval-only, or the list is empty.
+  """
+  known = ", ".join(TRAIN_SOURCES)
+  if not isinstance(value, str):
+    raise ConfigError(field, value, f"a comma-separated list of bundled sets among {known}")
+  names = list(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
+  unknown = [n for n in names if n not in TRAIN_SOURCES and n not in EVAL_ONLY_SOURCES]
+  if unknown:
+    raise ConfigError(field, value, f"bundled sets among {known} (unknown: "
+                      f"{', '.join(unknown)}); your own file goes in data.questions_file")
+  held_out = [n for n in names if n in EVAL_ONLY_SOURCES]
+  if held_out:
+    raise ConfigError(field, value, f"bundled training sets among {known} "
+                      f"({', '.join(held_out)} is held out for evaluation only)")
+  if not names:
+    raise ConfigError(field, value, f"a comma-separated list of bundled sets among {known}, "
+                      "or set data.questions_file")
+  return names
 
 
 def _iter_json_lines(path: str) -> Iterator[tuple[int, dict]]:
@@ -118,11 +181,15 @@ def load_questions(path: str, data_source: str | None = None) -> list[Question]:
   Returns:
     The questions in file order.
   Raises:
-    DataError: a row is not JSON, or ``question``/``golden_answers`` is malformed.
+    DataError: a row is not JSON, ``question``/``golden_answers`` is malformed, or the file
+      has no rows.
     FileNotFoundError: ``path`` does not exist.
   """
   default = data_source or os.path.splitext(os.path.basename(path))[0]
-  return [_parse_question(path, n, row, default) for n, row in _iter_json_lines(path)]
+  out = [_parse_question(path, n, row, default) for n, row in _iter_json_lines(path)]
+  if not out:
+    raise DataError(path, 0, "<file>", "no questions (the file is empty)")
+  return out
 
 
 def load_corpus(path: str, id_prefix: str = "") -> list[Document]:
@@ -130,7 +197,8 @@ def load_corpus(path: str, id_prefix: str = "") -> list[Document]:
 
   Raises:
     DataError: a row is not JSON, ``id`` is missing/not a string or int, ``contents``
-      is not a non-empty string, or an id repeats (the message names both lines).
+      is not a non-empty string, an id repeats (the message names both lines), or the file
+      has no rows.
   """
   docs, seen = [], {}
   for lineno, row in _iter_json_lines(path):
@@ -145,6 +213,8 @@ def load_corpus(path: str, id_prefix: str = "") -> list[Document]:
       raise DataError(path, lineno, "id", f"duplicate id {did!r} (first on line {seen[did]})")
     seen[did] = lineno
     docs.append(Document(did, contents))
+  if not docs:
+    raise DataError(path, 0, "<file>", "no passages (the corpus is empty)")
   return docs
 
 

@@ -9,15 +9,27 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 from typing import Sequence
 
 import numpy as np
 import tensorflow_datasets as tfds
+from absl import logging as absl_logging
+
+from gigrl.data import qa
 
 tfds.disable_progress_bar()
 
-from gigrl.data import qa
+
+class _DropCustomConfigWarning(logging.Filter):
+  """Every gigrl QA config is a custom (content-hashed) one; TFDS warns about each."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Using custom data configuration")
+
+
+absl_logging.get_absl_logger().addFilter(_DropCustomConfigWarning())
 
 _FEATURES = tfds.features.FeaturesDict({
     "id": tfds.features.Text(),
@@ -38,6 +50,14 @@ class GigrlQa(tfds.core.GeneratorBasedBuilder):
 
   VERSION = tfds.core.Version("1.0.0")
 
+  # TFDS prints "Downloading and preparing dataset Unknown size ..." and "... downloaded and
+  # prepared" to stdout; nothing is downloaded here (local files), so both stay quiet.
+  def _log_download_bytes(self) -> None:
+    pass
+
+  def _log_download_done(self) -> None:
+    pass
+
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(builder=self, features=_FEATURES,
                                  description="Search-R1 format QA (gigrl)")
@@ -48,7 +68,9 @@ class GigrlQa(tfds.core.GeneratorBasedBuilder):
     for path in self.builder_config.files:
       questions.extend(qa.load_questions(path))   # DataError names file and line
     train, ev = qa.split_questions(questions, self.builder_config.eval_percent)
-    return {"train": self._generate_examples(train), "eval": self._generate_examples(ev)}
+    # TFDS refuses a split without examples; an empty split is left out (read_split -> []).
+    return {name: self._generate_examples(qs) for name, qs in (("train", train), ("eval", ev))
+            if qs}
 
   def _generate_examples(self, questions: Sequence[qa.Question]):
     seen = set()
@@ -98,7 +120,12 @@ def _to_str(x) -> str:
 
 
 def read_split(builder: GigrlQa, split: str) -> list[qa.Question]:
-  """All rows of ``split`` through ``builder.as_data_source`` (array_record random access)."""
+  """All rows of ``split`` through ``builder.as_data_source`` (array_record random access).
+
+  A split without questions (e.g. ``eval`` with ``eval_percent=0``) gives ``[]``.
+  """
+  if split not in builder.info.splits:
+    return []
   source = builder.as_data_source(split=split)
   out = []
   for i in range(len(source)):
