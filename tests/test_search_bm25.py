@@ -9,6 +9,7 @@ import pytest
 from gigrl.config_utils import ConfigError
 from gigrl.data import qa
 from gigrl.search import base, bm25, config, resilient
+from gigrl.search.base import SearchError
 
 TINY = [
     qa.Document("a", '"Paris"\nParis is the capital of France.'),
@@ -138,6 +139,17 @@ def test_from_corpus_file_and_bad_rows(tmp_path):
     bm25.BM25Retriever.from_corpus(bad)
 
 
+def test_empty_corpus_names_the_file(tmp_path):
+  empty = _write_corpus(tmp_path / "empty.jsonl", [])
+  with pytest.raises(qa.DataError, match=r"empty.jsonl: no passages \(the corpus is empty\)"):
+    bm25.BM25Retriever.from_corpus(empty)
+  cfg = config.default_config()
+  cfg.corpus = empty
+  with pytest.raises(ConfigError, match="empty.jsonl") as e:
+    config.validate(cfg)          # caught at start-up, before the index is built
+  assert e.value.field == "search.corpus"
+
+
 def test_retriever_protocol_and_search_error_message():
   assert isinstance(bm25.BM25Retriever(TINY[:1]), base.Retriever)
   e = base.SearchError("http://127.0.0.1:1/retrieve", "timed out after 0.2 s", attempts=3)
@@ -160,7 +172,7 @@ def test_default_config_validates_and_has_search_r1_defaults():
     ("backend", "faiss"), ("topk", 0), ("topk", 2.5), ("timeout_s", 0.0),
     ("max_retries", -1), ("max_retries", 100), ("backoff_s", -0.1),
     ("on_failure", "ignore"), ("cache", "yes"), ("corpus", "/nonexistent/c.jsonl"),
-    ("corpus", ""),
+    ("corpus", ""), ("corpus", "/tmp"), ("max_failure_frac", 1.5), ("max_failure_frac", -0.1),
 ])
 def test_validate_names_the_bad_field(field, value):
   cfg = config.default_config().to_dict()  # a plain dict: ConfigDict refuses type changes
@@ -192,9 +204,13 @@ def test_make_retriever_builds_each_backend(tmp_path):
   assert (r.max_retries, r.on_failure, r.use_cache) == (1, "empty", False)
   assert r.search(["zebra"], 3)[0][0].id == "1"
   cfg.backend, cfg.url, cfg.timeout_s = "http", "http://127.0.0.1:9/retrieve", 0.5
-  h = config.make_retriever(cfg)
+  cfg.max_failure_frac = 0.25
+  h = config.make_retriever(cfg, health_check=False)
   assert type(h.inner).__name__ == "HttpRetriever"
   assert (h.inner.url, h.inner.timeout_s) == ("http://127.0.0.1:9/retrieve", 0.5)
+  assert h.max_failure_frac == 0.25
+  with pytest.raises(SearchError, match="127.0.0.1:9/retrieve failed its health check"):
+    config.make_retriever(cfg)    # nobody listens on port 9: stop before anything is built
   cfg.topk = 0
   with pytest.raises(ConfigError, match="search.topk"):
     config.make_retriever(cfg)

@@ -92,10 +92,11 @@ def dead_url():
   return f"http://127.0.0.1:{port}/retrieve"
 
 
-def wrap(url, on_failure, max_retries=2, backoff_s=0.01, cache=True):
+def wrap(url, on_failure, max_retries=2, backoff_s=0.01, cache=True, max_failure_frac=1.0):
   inner = http_client.HttpRetriever(url, timeout_s=TIMEOUT_S)
   return resilient.ResilientRetriever(inner, max_retries=max_retries, backoff_s=backoff_s,
-                                      on_failure=on_failure, cache=cache)
+                                      on_failure=on_failure, cache=cache,
+                                      max_failure_frac=max_failure_frac)
 
 
 # --- server killed mid-run ------------------------------------------------------------
@@ -133,11 +134,12 @@ def test_refused_connection_is_retried_with_exponential_backoff():
   sleeps = []
   r = resilient.ResilientRetriever(
       http_client.HttpRetriever(dead_url(), timeout_s=TIMEOUT_S),
-      max_retries=3, backoff_s=0.05, on_failure="empty", sleep=sleeps.append)
+      max_retries=3, backoff_s=0.05, on_failure="empty", max_failure_frac=1.0,
+      sleep=sleeps.append)
   assert r.search(["a", "b"], 3) == [[], []]
   assert sleeps == [0.05, 0.1, 0.2]
-  assert r.metrics() == {"search_failures": 1, "failed_queries": 2, "cache_hits": 0,
-                         "requests": 4, "retries": 3}
+  assert r.metrics() == {"queries": 2, "search_failures": 1, "failed_queries": 2,
+                         "cache_hits": 0, "requests": 4, "retries": 3}
   r.reset_metrics()
   assert set(r.metrics().values()) == {0}
 
@@ -196,8 +198,8 @@ def test_transient_5xx_then_success(fake_server):
                       (200, json.dumps(GOOD_REPLY).encode(), 0))
   r = wrap(flaky.url, "raise", max_retries=2)
   assert [p.id for p in r.search(["capital of France"], 1)[0]] == ["p"]
-  assert r.metrics() == {"search_failures": 0, "failed_queries": 0, "cache_hits": 0,
-                         "requests": 3, "retries": 2}
+  assert r.metrics() == {"queries": 1, "search_failures": 0, "failed_queries": 0,
+                         "cache_hits": 0, "requests": 3, "retries": 2}
 
 
 def test_zero_retries_fails_on_first_error():
@@ -256,3 +258,97 @@ def test_bad_arguments():
     resilient.ResilientRetriever(Recorder(), backoff_s=-1.0)
   with pytest.raises(ValueError, match="topk"):
     resilient.ResilientRetriever(Recorder()).search(["a"], 0)
+  with pytest.raises(ValueError, match="max_failure_frac"):
+    resilient.ResilientRetriever(Recorder(), max_failure_frac=1.5)
+
+
+# --- failures are never silent (on_failure='empty') ------------------------------------
+
+
+class Flaky:
+  """An inner retriever whose call ``i`` fails when ``i in failing`` (not retryable)."""
+
+  def __init__(self, failing):
+    self.calls, self.failing = 0, set(failing)
+
+  def search(self, queries, topk):
+    self.calls += 1
+    if self.calls - 1 in self.failing:
+      raise base.SearchError("fake://", "injected", retryable=False)
+    return [[base.Passage(q, q, 1.0)] for q in queries]
+
+
+def test_failed_share_of_a_step_past_the_bound_stops_the_run():
+  # call 0 fails: 2 of 2 queries (100% > 50%) -> stop, naming the field and the share.
+  r = resilient.ResilientRetriever(Flaky({0}), on_failure="empty", max_failure_frac=0.5)
+  with pytest.raises(resilient.TooManySearchFailures, match=(
+      r"2 of 2 search queries of this step failed \(100%, more than "
+      r"search.max_failure_frac=0.5\); last error: .*injected")) as e:
+    r.search(["a", "b"], 1)
+  assert isinstance(e.value, base.SearchError) and (e.value.failed, e.value.asked) == (2, 2)
+
+
+def test_failed_share_is_counted_per_step():
+  # Calls 0-2 succeed (6 queries), call 3 fails (2 queries): 2/8 = 25% <= 30%, one warning.
+  r = resilient.ResilientRetriever(Flaky({3, 5}), on_failure="empty", max_failure_frac=0.3)
+  for batch in (["a", "b"], ["c", "d"], ["e", "f"]):
+    r.search(batch, 1)
+  assert r.search(["g", "h"], 1) == [[], []]
+  r.new_step()                      # a new step: its share starts from 0
+  r.search(["i", "j"], 1)           # call 4 succeeds: 0 of 2
+  with pytest.raises(resilient.TooManySearchFailures, match="2 of 4"):
+    r.search(["k", "l"], 1)         # call 5 fails: 2 of 4 = 50% > 30%
+  m = r.metrics()
+  assert (m["queries"], m["failed_queries"], m["search_failures"]) == (12, 4, 2)
+
+
+def test_every_step_with_failures_warns_once(monkeypatch):
+  warnings = []
+  monkeypatch.setattr(resilient.logging, "warning",
+                      lambda msg, *args: warnings.append(msg % args))
+  r = resilient.ResilientRetriever(Flaky({1, 2, 5}), on_failure="empty",
+                                   max_failure_frac=1.0)
+  r.search(["a"], 1)
+  r.search(["b"], 1)                # fails: warning 1
+  r.search(["c", "c"], 1)           # fails again in the same step: no second warning
+  assert len(warnings) == 1
+  assert "1 of 2 queries of this step" in warnings[0] and "injected" in warnings[0]
+  assert "search.max_failure_frac=1.0" in warnings[0]
+  r.new_step()
+  r.search(["d"], 1)
+  r.search(["e"], 1)                # call 4 succeeds: no warning in this step
+  assert len(warnings) == 1
+  r.new_step()
+  r.search(["f"], 1)                # call 5 fails: the next step warns again
+  assert len(warnings) == 2 and "1 of 1" in warnings[1]
+  assert r.metrics()["failed_queries"] == 1 + 2 + 1   # repeats included
+
+
+def test_on_failure_raise_ignores_the_bound():
+  r = resilient.ResilientRetriever(Flaky({0}), on_failure="raise", max_failure_frac=0.0)
+  with pytest.raises(base.SearchError) as e:
+    r.search(["a"], 1)
+  assert not isinstance(e.value, resilient.TooManySearchFailures)
+
+
+def test_health_check_fails_on_a_dead_server_whatever_the_policy():
+  sleeps = []
+  r = resilient.ResilientRetriever(
+      http_client.HttpRetriever(dead_url(), timeout_s=TIMEOUT_S), max_retries=2,
+      backoff_s=0.01, on_failure="empty", sleep=sleeps.append)
+  with pytest.raises(base.SearchError,
+                     match=r"failed its health check \(3 attempts\): connection failed") as e:
+    r.health_check()
+  assert e.value.attempts == 3 and sleeps == [0.01, 0.02]
+  assert set(r.metrics().values()) == {0}     # not counted
+
+
+def test_health_check_passes_on_a_live_server():
+  srv, url = server.serve_in_thread(bm25.BM25Retriever(CORPUS), "127.0.0.1", 0)
+  try:
+    r = wrap(url, "empty")
+    r.health_check()
+    assert set(r.metrics().values()) == {0}
+  finally:
+    srv.shutdown()
+    srv.server_close()

@@ -41,8 +41,11 @@ def served(local):
   srv.server_close()
 
 
-def raw_request(url, method, path, body=None, headers=None):
-  """(status, decoded JSON) of one request; body may be bytes or a JSON-able object."""
+def raw_request(url, method, path, body=None, headers=None, with_headers=False):
+  """(status, decoded JSON[, response headers]) of one request.
+
+  ``body`` may be bytes or a JSON-able object.
+  """
   parts = urllib.parse.urlsplit(url)
   assert parts.hostname == "127.0.0.1"
   conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
@@ -51,7 +54,8 @@ def raw_request(url, method, path, body=None, headers=None):
       body = json.dumps(body).encode()
     conn.request(method, path, body=body, headers=headers or {})
     resp = conn.getresponse()
-    return resp.status, json.loads(resp.read())
+    out = resp.status, json.loads(resp.read())
+    return (*out, dict(resp.getheaders())) if with_headers else out
   finally:
     conn.close()
 
@@ -118,6 +122,19 @@ def test_unknown_paths_get_404(served):
   _, url = served
   assert raw_request(url, "GET", "/nope")[0] == 404
   assert raw_request(url, "POST", "/search", {"queries": []})[0] == 404
+  assert raw_request(url, "PUT", "/nope", b"x")[0] == 404
+
+
+@pytest.mark.parametrize("method,path,allow", [
+    ("GET", "/retrieve", "POST"), ("POST", "/health", "GET"), ("PUT", "/retrieve", "POST"),
+    ("DELETE", "/health?x=1", "GET"),
+])
+def test_wrong_method_gets_405_with_allow(served, method, path, allow):
+  _, url = served
+  body = {"queries": ["x"]} if method in ("POST", "PUT") else None
+  status, reply, headers = raw_request(url, method, path, body, with_headers=True)
+  assert status == 405 and headers["Allow"] == allow
+  assert reply["field"] == "<method>" and allow in reply["error"]
 
 
 def test_concurrent_clients_get_their_own_answers(local, served):

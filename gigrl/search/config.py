@@ -1,15 +1,20 @@
 """The ``search`` config section: defaults, validation and the retriever factory."""
 from __future__ import annotations
 
-import os
+import inspect
 from typing import Any
 
 import ml_collections
 
-from gigrl.config_utils import ConfigError, check_choice, check_range, get_field
+from gigrl.config_utils import ConfigError, check_choice, check_file, check_range, get_field
 from gigrl.search.base import Retriever
 from gigrl.search.http_client import HttpRetriever
 from gigrl.search.resilient import ON_FAILURE, ResilientRetriever
+
+# The failure-handling defaults are ResilientRetriever's (defined once, there).
+_RESILIENT = {k: p.default for k, p in
+              inspect.signature(ResilientRetriever.__init__).parameters.items()
+              if k in ("max_retries", "backoff_s", "on_failure", "cache", "max_failure_frac")}
 
 BACKENDS = ("bm25", "http")
 
@@ -24,7 +29,9 @@ def default_config() -> ml_collections.ConfigDict:
     timeout_s: per-request socket timeout, seconds.
     max_retries: retries of a transient failure; backoff_s: first retry delay,
       seconds, doubling per retry.
-    on_failure: 'raise' (SearchError) or 'empty' (empty results, counted).
+    on_failure: 'raise' (SearchError) or 'empty' (empty results, counted, warned).
+    max_failure_frac: with 'empty', the largest share of a step's queries that may
+      fail before the run stops (1.0 = never stop).
     cache: per-step query cache.
     corpus: 'bundled' or a Search-R1 corpus jsonl path (backend 'bm25').
   """
@@ -33,10 +40,7 @@ def default_config() -> ml_collections.ConfigDict:
       "url": "http://127.0.0.1:8000/retrieve",
       "topk": 3,
       "timeout_s": 30.0,
-      "max_retries": 3,
-      "backoff_s": 0.5,
-      "on_failure": "raise",
-      "cache": True,
+      **_RESILIENT,
       "corpus": "bundled",
   })
 
@@ -63,28 +67,32 @@ def validate(cfg_search: Any) -> None:
   check_range(root, "search.max_retries", 0, 10, integer=True)
   check_range(root, "search.backoff_s", 0, 60)
   check_choice(root, "search.on_failure", ON_FAILURE)
+  check_range(root, "search.max_failure_frac", 0, 1)
   check_choice(root, "search.cache", (True, False))
   if backend == "http":
     url = get_field(root, "search.url")
     _check_str(root, "search.url",
                isinstance(url, str) and url.startswith(("http://", "https://")),
                "a non-empty http:// or https:// URL when search.backend is 'http'")
-  else:
-    corpus = get_field(root, "search.corpus")
-    _check_str(root, "search.corpus",
-               isinstance(corpus, str) and (corpus == "bundled" or os.path.isfile(corpus)),
-               "'bundled' or an existing Search-R1 corpus jsonl file")
+  elif get_field(root, "search.corpus") != "bundled":
+    check_file(root, "search.corpus", "'bundled' or a Search-R1 corpus jsonl")
 
 
-def make_retriever(cfg_search: Any) -> ResilientRetriever:
+def make_retriever(cfg_search: Any, *, health_check: bool = True) -> ResilientRetriever:
   """Validates ``cfg_search`` and builds the retriever it describes.
 
+  Args:
+    cfg_search: the ``search`` section.
+    health_check: send one query before returning (:meth:`ResilientRetriever.health_check`),
+      so a server that is down stops the run at start-up, before anything (SFT
+      demonstrations, rollouts) is built on empty observations.
   Returns:
     A :class:`ResilientRetriever` around ``BM25Retriever`` (backend 'bm25';
     builds the index, about 1 s for the bundled corpus) or ``HttpRetriever``.
   Raises:
     ConfigError: see :func:`validate`.
-    gigrl.data.qa.DataError: a malformed corpus row.
+    gigrl.data.qa.DataError: a malformed corpus row, or a corpus without rows.
+    SearchError: the health check failed (the message says "failed its health check").
   """
   validate(cfg_search)
   inner: Retriever
@@ -93,6 +101,10 @@ def make_retriever(cfg_search: Any) -> ResilientRetriever:
   else:
     from gigrl.search.bm25 import BM25Retriever  # pylint: disable=import-outside-toplevel
     inner = BM25Retriever.from_corpus(cfg_search.corpus)
-  return ResilientRetriever(inner, max_retries=cfg_search.max_retries,
-                            backoff_s=float(cfg_search.backoff_s),
-                            on_failure=cfg_search.on_failure, cache=cfg_search.cache)
+  retriever = ResilientRetriever(inner, max_retries=cfg_search.max_retries,
+                                 backoff_s=float(cfg_search.backoff_s),
+                                 on_failure=cfg_search.on_failure, cache=cfg_search.cache,
+                                 max_failure_frac=float(cfg_search.max_failure_frac))
+  if health_check:
+    retriever.health_check()
+  return retriever

@@ -9,7 +9,9 @@ Reference: Search-R1 ``search_r1/search/retrieval_server.py`` (protocol only).
       answered with a result list of length 1.
   ``GET /health``  -> ``{"status": "ok", "num_docs": N}``
 
-Bad requests get HTTP 400 with ``{"error": "...", "field": "<name>"}``.
+Bad requests get HTTP 400 with ``{"error": "...", "field": "<name>"}``; a known path with the
+wrong method gets 405 with an ``Allow`` header (``GET /retrieve`` -> ``Allow: POST``); any
+other path gets 404.
 
 CLI: ``gigrl-serve-retriever --corpus FILE|bundled --port 8000 [--host 127.0.0.1] [--topk 3]``.
 """
@@ -25,6 +27,7 @@ from typing import Any
 from gigrl.search.base import Passage, Retriever
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+ROUTES = {"/retrieve": "POST", "/health": "GET"}   # path -> the method it answers
 
 
 class BadRequest(ValueError):
@@ -84,19 +87,37 @@ def _make_handler(retriever: Retriever, num_docs: int, default_topk: int):
     def log_message(self, format, *args):  # pylint: disable=redefined-builtin
       del format, args  # quiet: one line per request is too much in training
 
-    def _send(self, code: int, payload: dict) -> None:
+    def _send(self, code: int, payload: dict, headers: dict[str, str] | None = None) -> None:
       data = json.dumps(payload).encode("utf-8")
       self.send_response(code)
+      for name, value in (headers or {}).items():
+        self.send_header(name, value)
       self.send_header("Content-Type", "application/json")
       self.send_header("Content-Length", str(len(data)))
       self.end_headers()
       self.wfile.write(data)
 
+    def _wrong_method_or_path(self) -> None:
+      """405 (with ``Allow``) for a known path, 404 otherwise."""
+      path = self.path.split("?")[0]
+      allow = ROUTES.get(path)
+      if allow:
+        self._send(405, {"error": f"{self.command} {path} is not allowed; use {allow}",
+                         "field": "<method>"}, {"Allow": allow})
+      else:
+        self._send(404, {"error": f"no such path {self.path}", "field": "<path>"})
+
     def do_GET(self):  # pylint: disable=invalid-name
       if self.path.split("?")[0] == "/health":
         self._send(200, {"status": "ok", "num_docs": num_docs})
       else:
-        self._send(404, {"error": f"no such path {self.path}", "field": "<path>"})
+        self._wrong_method_or_path()
+
+    def _other_method(self) -> None:
+      self.close_connection = True       # a body, if any, is not read
+      self._wrong_method_or_path()
+
+    do_PUT = do_DELETE = do_PATCH = _other_method
 
     def _read_body(self) -> Any:
       try:
@@ -113,7 +134,8 @@ def _make_handler(retriever: Retriever, num_docs: int, default_topk: int):
 
     def do_POST(self):  # pylint: disable=invalid-name
       if self.path.split("?")[0] != "/retrieve":
-        self._send(404, {"error": f"no such path {self.path}", "field": "<path>"})
+        self.close_connection = True     # the unread body must not become the next request
+        self._wrong_method_or_path()
         return
       try:
         queries, topk, scores, _ = parse_request(self._read_body(), default_topk)
