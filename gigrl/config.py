@@ -7,14 +7,17 @@ module composes them (``base_config``) and validates the whole (``validate``). C
 """
 from __future__ import annotations
 
+import os
+
 import ml_collections
 
 from gigrl import advantages
 from gigrl import loss
 from gigrl import models
 from gigrl import search
-from gigrl.config_utils import ConfigError, check_choice, check_range, get_field
+from gigrl.config_utils import ConfigError, check_choice, check_file, check_range, get_field
 from gigrl.data import pool as pool_lib
+from gigrl.data import qa
 
 
 def data_config() -> ml_collections.ConfigDict:
@@ -119,9 +122,14 @@ def _validate_data(cfg):
   check_range(cfg, "data.max_train_questions", 0, integer=True)
   check_range(cfg, "data.prompts_per_step", 1, integer=True)
   check_range(cfg, "data.group_size", 1, integer=True)
-  if not cfg.data.questions_file and not cfg.data.train_sources.strip():
-    raise ConfigError("data.train_sources", cfg.data.train_sources,
-                      "a comma-separated list of bundled sets, or set data.questions_file")
+  if get_field(cfg, "data.questions_file"):   # rows are parsed when the split is built
+    check_file(cfg, "data.questions_file", "a Search-R1 questions jsonl")
+  else:
+    qa.check_train_sources(get_field(cfg, "data.train_sources"))
+  tok = get_field(cfg, "data.tokenizer")
+  if tok != "bundled" and not (isinstance(tok, str) and os.path.exists(tok)):
+    raise ConfigError("data.tokenizer", tok, "'bundled', a sentencepiece .model file or a "
+                      "Hugging Face tokenizer directory that exists")
 
 
 def _validate_rollout(cfg):
