@@ -69,6 +69,31 @@ class LossTest(parameterized.TestCase):
     loss, m = loss_lib.ppo_loss(*x, use_kl_loss=True, kl_loss_coef=0.5)
     np.testing.assert_allclose(loss, m["pg_loss"] + 0.5 * m["kl"], rtol=1e-6)
 
+  def test_entropy_bonus(self):
+    lp, old, ref, adv, mask = random_inputs(5)
+    ent = np.abs(random_inputs(6)[0])
+    base, _ = loss_lib.ppo_loss(lp, old, ref, adv, mask)
+    for mode in ("token-mean", "seq-mean-token-mean"):
+      loss, m = loss_lib.ppo_loss(lp, old, ref, adv, mask, entropy=ent, entropy_coeff=0.1,
+                                  loss_agg_mode=mode)
+      np.testing.assert_allclose(m["entropy"], numpy_agg(ent, mask, mode), rtol=1e-5)
+      np.testing.assert_allclose(loss, m["pg_loss"] - 0.1 * m["entropy"], rtol=1e-5)
+    with self.assertRaises(ValueError):
+      loss_lib.ppo_loss(lp, old, ref, adv, mask, entropy_coeff=0.1)   # no entropy given
+    _, m = loss_lib.ppo_loss(lp, old, ref, adv, mask, entropy=ent)   # metric only
+    self.assertIn("entropy", m)
+    np.testing.assert_allclose(base, loss_lib.ppo_loss(lp, old, ref, adv, mask,
+                                                       entropy=ent)[0], rtol=1e-6)
+
+  def test_config_section_round_trips_to_keyword_arguments(self):
+    cfg = loss_lib.default_config()
+    kw = loss_lib.kwargs_from_config(cfg)
+    self.assertIsNone(kw["loss_scale_factor"])              # 0.0 in the config = None
+    cfg.loss_scale_factor = 8.0
+    self.assertEqual(loss_lib.kwargs_from_config(cfg)["loss_scale_factor"], 8.0)
+    x = random_inputs(0)
+    loss_lib.ppo_loss(*x, **kw)                             # every name is an argument
+
   def test_metrics(self):
     lp, old, ref, adv, mask = random_inputs(2)
     _, m = loss_lib.ppo_loss(lp, old, ref, adv, mask)
