@@ -1,8 +1,13 @@
 """Rollout engine on scripted trajectories: loss masks, search counts, anchors, turn budget.
 
 The policy is replaced by a script (per row, the text of each turn), so every token of the
-expected trajectory is known; the engine, tokenizer, BM25 retriever and protocol are real.
+expected trajectory is known; the engine, tokenizer, retriever and protocol are real. Each test
+runs with the bundled sentencepiece tokenizer (tags are single pieces) and with a Qwen2-style
+byte-level BPE built in the test (``gigrl.testing.write_bpe_tokenizer``; tags are several
+tokens, no special tokens added).
 """
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -13,11 +18,17 @@ from gigrl.rollout import demos
 from gigrl.rollout import host_loop
 from gigrl.rollout import protocol
 from gigrl.rollout import trajectory as traj_lib
+from gigrl import tags
+from gigrl import testing
+from gigrl.rollout import callback
+from gigrl.rollout import engine as engine_lib
+from gigrl.rollout import turns
+from gigrl.search import base as search_base
 from gigrl.testing import FakeRetriever
 
 
 class ScriptedPolicy:
-  """Stands in for extend_last/decode: row b's turn t emits script[b][t]."""
+  """Stands in for extend_last/decode: row b's turn t emits script[b][t] (text or token ids)."""
 
   def __init__(self, tok, script):
     self.tok, self.script, self.turn = tok, script, 0
@@ -32,7 +43,8 @@ class ScriptedPolicy:
     lens = np.zeros((b,), np.int32)
     for i in range(b):
       if active[i]:
-        ids = self.tok.encode(self.script[i][self.turn])[:max_new_tokens]
+        turn = self.script[i][self.turn]
+        ids = (self.tok.encode(turn) if isinstance(turn, str) else list(turn))[:max_new_tokens]
         toks[i, :len(ids)], lens[i] = ids, len(ids)
     self.turn += 1
     return sampler_lib.DecodeOut(toks, np.zeros(toks.shape, np.float32), toks > 0, lens,
@@ -43,9 +55,25 @@ class _Cfg:
   vocab_size = 8192
 
 
-@pytest.fixture()
-def tok():
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory):
+  return testing.write_bpe_tokenizer(str(tmp_path_factory.mktemp("bpe")))
+
+
+@pytest.fixture(scope="module", params=["sentencepiece", "bpe"])
+def tok(request, bpe_dir):
+  if request.param == "bpe":
+    return tok_lib.load(bpe_dir)
   return tok_lib.SentencePieceTokenizer()
+
+
+@pytest.fixture(scope="module")
+def bpe(bpe_dir):
+  return tok_lib.load(bpe_dir)
+
+
+SETTINGS = host_loop.RolloutSettings(max_turns=2, max_new_tokens=48, max_obs_tokens=80,
+                                     max_prompt_tokens=256, topk_docs=2)
 
 
 def _run(monkeypatch, tok, script, max_turns=2):
@@ -53,8 +81,7 @@ def _run(monkeypatch, tok, script, max_turns=2):
   monkeypatch.setattr(host_loop.sampler_lib, "extend_last", policy.extend_last)
   monkeypatch.setattr(host_loop.sampler_lib, "decode", policy.decode)
   monkeypatch.setattr(host_loop.tfm, "init_cache", lambda *a, **k: None)
-  settings = host_loop.RolloutSettings(max_turns=max_turns, max_new_tokens=48,
-                                       max_obs_tokens=64, max_prompt_tokens=192, topk_docs=2)
+  settings = dataclasses.replace(SETTINGS, max_turns=max_turns)
   retriever = FakeRetriever()
   engine = host_loop.HostLoopEngine(_Cfg(), None, tok, retriever, settings)
   batch, _ = engine.run(None, ["Who is A", "Who is B", "Who is C"], _key())
@@ -97,7 +124,7 @@ def test_masks_counts_and_anchors(monkeypatch, tok):
   assert "<information>Doc 1(Title: \"T0\") about alpha number 0" in text0
   obs_start = text0.index("\n\n<information>")
   prompt = protocol.make_prompt("Who is A")
-  assert text0.startswith(prompt)
+  assert prompt in text0[:obs_start]
   masked = tok.decode(batch.tokens[0, :batch.lengths[0]][batch.loss_mask[0, :batch.lengths[0]] == 0])
   assert "<information>" in masked and "</information>" in masked and prompt in masked
   assert obs_start > 0
@@ -123,11 +150,10 @@ def test_observation_truncation_keeps_tags(tok):
 
 def test_demonstration_matches_rollout_format(tok):
   q = qa.Question("x", "Who wrote Walls and Bridges", ("John Lennon",), "t")
-  settings = host_loop.RolloutSettings(max_turns=2, max_new_tokens=64, max_obs_tokens=64,
-                                       max_prompt_tokens=192, topk_docs=2)
+  settings = dataclasses.replace(SETTINGS, max_new_tokens=64)
   (d,) = demos.build_demonstrations([q], tok, FakeRetriever(), settings)
   text = tok.decode(d.tokens)
-  assert text.startswith(protocol.make_prompt(q.question))
+  assert protocol.make_prompt(q.question) in text
   gen = [protocol.parse_action(t) for t in d.generated_text]
   assert gen == [("search", q.question), ("answer", "John Lennon")]
   assert d.search_calls == 1 and d.step_ids.count(1) > 0
@@ -139,7 +165,7 @@ def test_demonstration_matches_rollout_format(tok):
 
 def test_prompt_too_long_names_question(tok):
   with pytest.raises(ValueError, match="max_prompt_tokens"):
-    host_loop.encode_prompts(tok, ["word " * 400], 192)
+    host_loop.encode_prompts(tok, ["word " * 400], 256)
 
 
 def test_retriever_returning_too_few_lists_is_an_error(monkeypatch, tok):
@@ -150,8 +176,107 @@ def test_retriever_returning_too_few_lists_is_an_error(monkeypatch, tok):
   monkeypatch.setattr(host_loop.sampler_lib, "extend_last", policy.extend_last)
   monkeypatch.setattr(host_loop.sampler_lib, "decode", policy.decode)
   monkeypatch.setattr(host_loop.tfm, "init_cache", lambda *a, **k: None)
-  settings = host_loop.RolloutSettings(max_turns=2, max_new_tokens=48, max_obs_tokens=64,
-                                       max_prompt_tokens=192, topk_docs=2)
-  engine = host_loop.HostLoopEngine(_Cfg(), None, tok, Short(), settings)
+  engine = host_loop.HostLoopEngine(_Cfg(), None, tok, Short(), SETTINGS)
   with pytest.raises(ValueError, match="1 queries"):
     engine.run(None, ["Who is A", "Who is B", "Who is C"], _key())
+
+
+# --------------------------------------------------------------------------- multi-token tags
+
+
+def _ends_with_stop(ids, stops) -> bool:
+  for row in stops:
+    seq = [int(t) for t in row if t >= 0]
+    if len(ids) >= len(seq) and list(ids[-len(seq):]) == seq:
+      return True
+  return False
+
+
+def test_stop_sequences(tok, bpe):
+  sp = tok_lib.SentencePieceTokenizer()
+  stops = turns.stop_sequences(sp)
+  assert stops.tolist() == [[sp.token_id("</search>")], [sp.token_id("</answer>")], [sp.eos_id]]
+  stops = turns.stop_sequences(bpe)
+  assert stops.shape[1] >= 3                          # the tags are several tokens
+  for tag in tags.ACTION_ENDS:
+    assert len(bpe.encode(tag)) >= 3
+    for text in (tag, " " + tag, "x" + tag, tag + "\n", "query " + tag + "\n\n"):
+      assert _ends_with_stop(bpe.encode(text), stops) or _ends_with_stop(
+          bpe.encode(text.rstrip()), stops), text
+  for row in stops:
+    seq = [int(t) for t in row if t >= 0]
+    text = bpe.decode(seq)
+    assert any(tag in text for tag in tags.ACTION_ENDS) or seq in ([i] for i in bpe.eos_ids)
+  assert {int(r[-1]) for r in stops if (r[:-1] == -1).all()} == set(bpe.eos_ids)
+
+
+def test_demonstration_turns_end_with_a_stop_sequence(tok):
+  q = qa.Question("x", "Who wrote Walls and Bridges", ("John Lennon",), "t")
+  stops = turns.stop_sequences(tok)
+  (d,) = demos.build_demonstrations([q], tok, FakeRetriever(), SETTINGS)
+  gen = np.asarray(d.tokens)[np.asarray(d.loss_mask) == 1]
+  steps = np.asarray(d.step_ids)[np.asarray(d.loss_mask) == 1]
+  for t in (0, 1):
+    assert _ends_with_stop(gen[steps == t].tolist(), stops)
+  # A budget smaller than the turn keeps every token of the end tag.
+  short = dataclasses.replace(SETTINGS, max_new_tokens=8)
+  (d,) = demos.build_demonstrations([q], tok, FakeRetriever(), short)
+  assert [t.rstrip()[-9:] for t in d.generated_text] == ["</search>", "</answer>"]
+  gen = np.asarray(d.tokens)[np.asarray(d.loss_mask) == 1]
+  steps = np.asarray(d.step_ids)[np.asarray(d.loss_mask) == 1]
+  for t in (0, 1):
+    assert len(gen[steps == t]) <= 8 and _ends_with_stop(gen[steps == t].tolist(), stops)
+
+
+def test_rollout_reproduces_a_demonstration(monkeypatch, tok):
+  """A policy that emits a demonstration's turns gets exactly the demonstration's tokens and
+  masks: SFT and RL see the same token boundaries (prompt, turns, observations)."""
+  qs = [qa.Question("x", "Who wrote Walls and Bridges", ("John Lennon",), "t"),
+        qa.Question("y", "Where is the river Thames", ("London",), "t")]
+  built = demos.build_demonstrations(qs, tok, FakeRetriever(), SETTINGS)
+  script = []
+  for d in built:
+    steps = np.asarray(d.step_ids)
+    script.append([np.asarray(d.tokens)[steps == t].tolist() for t in range(d.num_steps)])
+  policy = ScriptedPolicy(tok, script)
+  monkeypatch.setattr(host_loop.sampler_lib, "extend_last", policy.extend_last)
+  monkeypatch.setattr(host_loop.sampler_lib, "decode", policy.decode)
+  monkeypatch.setattr(host_loop.tfm, "init_cache", lambda *a, **k: None)
+  engine = host_loop.HostLoopEngine(_Cfg(), None, tok, FakeRetriever(), SETTINGS)
+  batch, _ = engine.run(None, [q.question for q in qs], _key())
+  ref = traj_lib.collate(built, SETTINGS.seq_len, tok.pad_id)
+  for f in ("tokens", "loss_mask", "step_ids", "lengths", "search_calls", "num_steps"):
+    np.testing.assert_array_equal(getattr(batch, f), getattr(ref, f), err_msg=f)
+  assert batch.anchors == ref.anchors and batch.generated_text == ref.generated_text
+
+
+# --------------------------------------------------------------------------- interfaces
+
+
+def test_engines_are_rollout_engines_and_make_engine_dispatches(tok):
+  cfg, graphdef, _ = testing.chatty_model(tok)
+  args = (cfg, graphdef, tok, FakeRetriever(), SETTINGS)
+  host = engine_lib.make_engine("host_loop", *args)
+  cb = engine_lib.make_engine("callback", *args, boundary="step")
+  assert isinstance(host, host_loop.HostLoopEngine) and isinstance(cb, callback.CallbackEngine)
+  assert isinstance(host, engine_lib.RolloutEngine) and isinstance(cb, engine_lib.RolloutEngine)
+  with pytest.raises(ValueError, match="rollout.engine"):
+    engine_lib.make_engine("vllm", *args)
+  with pytest.raises(ValueError, match="only apply to rollout.engine=callback"):
+    engine_lib.make_engine("host_loop", *args, boundary="step")
+
+
+def test_every_retriever_has_the_step_hooks():
+  from gigrl.search import bm25, http_client, resilient
+  docs = [qa.Document("1", '"A"\nalpha beta'), qa.Document("2", '"B"\ngamma delta')]
+  retrievers = [FakeRetriever(), bm25.BM25Retriever(docs),
+                http_client.HttpRetriever("http://127.0.0.1:9/retrieve"),
+                resilient.ResilientRetriever(FakeRetriever())]
+  for r in retrievers:
+    assert isinstance(r, search_base.Retriever), type(r)
+    r.new_step()
+    assert all(isinstance(v, (int, float)) for v in r.metrics().values())
+  fake = FakeRetriever()
+  fake.search(["a", "b"], 1)
+  fake.new_step()
+  assert fake.metrics() == {"queries": 2.0, "requests": 1.0, "new_steps": 1.0}

@@ -9,6 +9,9 @@
   driven by the same script.
 * A retriever that raises gives CallbackRolloutError, not a hang.
 * A batch that is not a multiple of the shard count is padded and cut back.
+* The same with a Qwen2-style byte-level BPE tokenizer (``gigrl.testing.write_bpe_tokenizer``)
+  in which ``</search>`` and ``</answer>`` are several tokens: the program ends turns on the
+  multi-token stop sequences and the host parses the tags in text.
 """
 import time
 
@@ -24,11 +27,14 @@ from gigrl.models import sharding as sharding_lib
 from gigrl.rollout import callback
 from gigrl.rollout import host_loop
 from gigrl.rollout import protocol
+from gigrl.rollout import turns
 from gigrl import testing
 from gigrl.testing import FakeRetriever
 
 SETTINGS = host_loop.RolloutSettings(max_turns=2, max_new_tokens=16, max_obs_tokens=64,
                                      max_prompt_tokens=192, topk_docs=2, greedy=True)
+BPE_SETTINGS = host_loop.RolloutSettings(max_turns=2, max_new_tokens=28, max_obs_tokens=80,
+                                         max_prompt_tokens=256, topk_docs=2, greedy=True)
 FIELDS = ("tokens", "loss_mask", "step_ids", "lengths", "search_calls", "num_steps")
 
 
@@ -40,6 +46,11 @@ class RaisingRetriever:
 @pytest.fixture(scope="module")
 def tok():
   return tok_lib.SentencePieceTokenizer()
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+  return tok_lib.load(testing.write_bpe_tokenizer(str(tmp_path_factory.mktemp("bpe"))))
 
 
 @pytest.fixture(scope="module")
@@ -143,17 +154,19 @@ def _script_array(tok, n_turns, n):
   budget, as real decoding would)."""
   fill = tok.encode(FILLER)[0]
   arr = np.full((len(SCRIPT), n_turns, n), fill, np.int32)
-  for r, turns in enumerate(SCRIPT):
-    for t, text in enumerate(turns):
+  for r, turns_ in enumerate(SCRIPT):
+    for t, text in enumerate(turns_):
       ids = [tok.eos_id] if text is None else tok.encode(text)
       arr[r, t, :len(ids)] = ids
   return arr
 
 
 def _turn_tokens(row, stops, n):
-  """What decode produces from a scripted row: up to and including the first stop."""
-  for k, t in enumerate(row[:n]):
-    if t in stops:
+  """What decode produces from a scripted row: up to and including the first completed stop
+  sequence (stops: i32[K, L] right-aligned, -1 padded)."""
+  seqs = [[int(t) for t in r if t >= 0] for r in np.asarray(stops)]
+  for k in range(min(n, len(row))):
+    if any(k + 1 >= len(q) and row[k + 1 - len(q):k + 1] == q for q in seqs):
       return row[:k + 1]
   return row[:n]
 
@@ -194,38 +207,41 @@ class ScriptedHostPolicy:
                                  lens > 0, cache, logits)
 
 
-def _expected_calls(script, tok, stops, n):
+def _expected_calls(script, tok, stops, n, max_turns):
   """Per decode step (1 device), the search queries of the turns that end in it."""
   by_step = {}
-  for r, turns in enumerate(SCRIPT):
+  for r in range(len(SCRIPT)):
     step = 0
-    for t in range(SETTINGS.max_turns + 1):
+    for t in range(max_turns + 1):
       ids = _turn_tokens(script[r, t].tolist(), stops, n)
       step += len(ids)
       kind, q = protocol.parse_action(tok.decode(ids))
-      if kind == "search" and t < SETTINGS.max_turns:
+      if kind == "search" and t < max_turns:
         by_step.setdefault(step, []).append(q)
-      if kind == "answer" or t == SETTINGS.max_turns:
+      if kind == "answer" or t == max_turns:
         break
   return [by_step[k] for k in sorted(by_step)]
 
 
-@pytest.fixture(scope="module")
-def scripted(chatty_model, tok):
-  cfg, graphdef, state = chatty_model
-  script = _script_array(tok, SETTINGS.max_turns + 1, SETTINGS.max_new_tokens)
-  engine = ScriptedCallbackEngine(cfg, graphdef, tok, FakeRetriever(), SETTINGS,
+def _scripted(tok, settings):
+  cfg, graphdef, state = testing.chatty_model(tok, seed=0)
+  script = _script_array(tok, settings.max_turns + 1, settings.max_new_tokens)
+  engine = ScriptedCallbackEngine(cfg, graphdef, tok, FakeRetriever(), settings,
                                   mesh=_mesh(1), boundary="step", script=script)
   return engine, state, script
 
 
-def test_scripted_queries_batching_and_host_loop_equality(scripted, tok, monkeypatch):
-  engine, state, script = scripted
+@pytest.fixture(scope="module")
+def scripted(tok):
+  return _scripted(tok, SETTINGS)
+
+
+def _check_scripted(engine, state, script, tok, settings, monkeypatch):
   questions = [f"Who is {c}" for c in "ABCDEFGH"]
   retriever = engine.retriever = FakeRetriever()
   batch, metrics = engine.run(state, questions, jax.random.key(1))
-  stops = set(host_loop.stop_sequences(tok)[:, 0].tolist())
-  expected = _expected_calls(script, tok, stops, SETTINGS.max_new_tokens)
+  stops = turns.stop_sequences(tok)
+  expected = _expected_calls(script, tok, stops, settings.max_new_tokens, settings.max_turns)
   assert retriever.calls == expected
   assert any(len(c) > 1 for c in expected)          # turns ending together share one call
   assert metrics["rollout/retriever_calls"] == len(expected)
@@ -233,6 +249,9 @@ def test_scripted_queries_batching_and_host_loop_equality(scripted, tok, monkeyp
   assert batch.num_steps.tolist() == [2, 1, 3, 3, 2, 2, 3, 1]
   assert batch.anchors[2][1] == protocol.INVALID_ACTION_MSG.strip()
   assert batch.anchors[0][1].startswith('Doc 1(Title: "T0") about beta')
+  # Turns end right after their stop tag, not at the budget (the filler never follows a tag).
+  assert batch.generated_text[0] == ["<search> beta </search>", "<answer> A </answer>"]
+  assert batch.generated_text[5][0].endswith("<search> zeta query </search>")
   # Same script through the host loop -> identical batch.
   host_retriever = FakeRetriever()
   with monkeypatch.context() as m:
@@ -241,9 +260,37 @@ def test_scripted_queries_batching_and_host_loop_equality(scripted, tok, monkeyp
     m.setattr(host_loop.sampler_lib, "decode", policy.decode)
     m.setattr(host_loop.tfm, "init_cache", lambda *a, **k: None)
     ref, _ = host_loop.HostLoopEngine(engine.model_cfg, None, tok, host_retriever,
-                                      SETTINGS).run(None, questions, jax.random.key(1))
+                                      settings).run(None, questions, jax.random.key(1))
   assert_same_batch(batch, ref)
   assert sorted(sum(retriever.calls, [])) == sorted(sum(host_retriever.calls, []))
+
+
+def test_scripted_queries_batching_and_host_loop_equality(scripted, tok, monkeypatch):
+  engine, state, script = scripted
+  _check_scripted(engine, state, script, tok, SETTINGS, monkeypatch)
+
+
+def test_scripted_multi_token_stops_bpe(bpe, monkeypatch):
+  """</search> and </answer> are 3 tokens each: the program's stop check ends the turns."""
+  assert len(bpe.encode("</search>")) == 3 and len(bpe.encode("</answer>")) == 3
+  engine, state, script = _scripted(bpe, BPE_SETTINGS)
+  _check_scripted(engine, state, script, bpe, BPE_SETTINGS, monkeypatch)
+
+
+@pytest.mark.parametrize("n_dev,boundary", [(1, "turn"), (2, "step")])
+def test_greedy_equals_host_loop_bpe(bpe, questions, n_dev, boundary):
+  cfg, graphdef, state = testing.chatty_model(bpe, seed=0, search_bias=2.0)
+  ref_retriever = FakeRetriever()
+  ref, _ = host_loop.HostLoopEngine(cfg, graphdef, bpe, ref_retriever, BPE_SETTINGS).run(
+      state, questions, jax.random.key(0))
+  assert not all(all(v) for v in ref.action_valid)
+  retriever = FakeRetriever()
+  engine = callback.CallbackEngine(cfg, graphdef, bpe, retriever, BPE_SETTINGS,
+                                   mesh=_mesh(n_dev), boundary=boundary)
+  batch, _ = engine.run(state, questions, jax.random.key(0))
+  assert_same_batch(batch, ref)
+  assert retriever.calls == [] or sorted(sum(retriever.calls, [])) == sorted(
+      sum(ref_retriever.calls, []))
 
 
 def test_retriever_error_is_raised_not_hung(scripted):
@@ -258,16 +305,6 @@ def test_retriever_error_is_raised_not_hung(scripted):
   engine.retriever = FakeRetriever()
   batch, _ = engine.run(state, [f"q{i}" for i in range(8)], jax.random.key(0))
   assert batch.search_calls.sum() == 6
-
-
-def test_make_engine_dispatch(chatty_model, tok):
-  cfg, graphdef, _ = chatty_model
-  args = (cfg, graphdef, tok, FakeRetriever(), SETTINGS)
-  assert isinstance(callback.make_engine("host_loop", *args), host_loop.HostLoopEngine)
-  assert isinstance(callback.make_engine("callback", *args, boundary="step"),
-                    callback.CallbackEngine)
-  with pytest.raises(ValueError, match="rollout.engine"):
-    callback.make_engine("vllm", *args)
 
 
 def test_union_seconds():

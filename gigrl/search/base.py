@@ -5,6 +5,10 @@ in query order (contract in ``docs/architecture.md``):
 
   ``Retriever.search(queries: list[str], topk: int) -> list[list[Passage]]``
 
+plus the per-step hooks ``new_step()`` (drop per-step state such as a query cache) and
+``metrics() -> dict[str, float]`` (cumulative counters), which :class:`BaseRetriever` implements
+as no-ops.
+
 ``Passage.contents`` keeps the Search-R1 corpus convention ``'"Title"\\ntext'``
 (Search-R1 ``search_r1/search/retrieval_server.py``; ``gigrl.data.qa``).
 """
@@ -28,11 +32,39 @@ class Passage(NamedTuple):
 
 @runtime_checkable
 class Retriever(Protocol):
-  """Anything with a batched ``search``."""
+  """A batched ``search`` plus the per-training-step hooks the trainer calls.
+
+  The trainer calls ``new_step()`` once at the start of every training step (before the
+  rollout), reads ``metrics()`` before and after the rollout, and logs each counter's change
+  over the step as ``search/<name>``. Backends without per-step state or counters inherit the
+  no-op hooks of :class:`BaseRetriever`.
+  """
 
   def search(self, queries: list[str], topk: int) -> list[list[Passage]]:
     """Returns, for each query in order, at most ``topk`` passages, best first."""
     ...
+
+  def new_step(self) -> None:
+    """Starts a training step: drops per-step state (e.g. a query cache). Does not reset the
+    counters of :meth:`metrics`."""
+    ...
+
+  def metrics(self) -> dict[str, float]:
+    """Cumulative counters (e.g. ``requests``, ``search_failures``), each growing from
+    construction on (``ResilientRetriever.reset_metrics`` zeroes them); ``{}`` for a backend
+    that keeps none. Thread-safe."""
+    ...
+
+
+class BaseRetriever:
+  """Default :class:`Retriever` hooks: no per-step state, no counters."""
+
+  def new_step(self) -> None:
+    """Nothing to reset."""
+
+  def metrics(self) -> dict[str, float]:
+    """No counters: ``{}``."""
+    return {}
 
 
 class SearchError(RuntimeError):

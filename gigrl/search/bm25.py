@@ -19,7 +19,7 @@ import bm25s
 import numpy as np
 
 from gigrl.data import qa
-from gigrl.search.base import Passage, check_topk
+from gigrl.search.base import BaseRetriever, Passage, check_topk
 
 _STOPWORDS = "en"
 
@@ -47,7 +47,7 @@ def top_indices(scores: np.ndarray, k: int) -> np.ndarray:
   return cand[order[:k]]
 
 
-class BM25Retriever:
+class BM25Retriever(BaseRetriever):
   """BM25 over a list of :class:`gigrl.data.qa.Document`; thread-safe.
 
   Build cost on the bundled corpus (11,560 passages): about 1 s on one CPU core.

@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from gigrl.search.base import Passage, SearchError, check_topk
+from gigrl.search.base import BaseRetriever, Passage, SearchError, check_topk
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -68,7 +68,7 @@ def parse_reply(payload: Any, num_queries: int) -> list[list[Passage]]:
   return out
 
 
-class HttpRetriever:
+class HttpRetriever(BaseRetriever):
   """Search-R1 protocol client. Stateless, so safe to share between threads."""
 
   def __init__(self, url: str, *, timeout_s: float = 30.0):
