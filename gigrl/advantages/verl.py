@@ -1,0 +1,398 @@
+"""GiGPO on verl-agent's flat step rows, through gigrl's kernels.
+
+A drop-in for verl-agent@2716b30b ``gigpo/core_gigpo.py::
+compute_gigpo_outcome_advantage``: a verl / verl-agent trainer swaps it in
+with one import and keeps its call::
+
+  from gigrl.advantages.verl import compute_gigpo_outcome_advantage
+
+verl-agent's layout is one row per active step (an LLM turn): ``index`` is the
+prompt-group uid of the row, ``traj_index`` its trajectory uid, rows of a
+trajectory appear in time order. The rows are mapped onto gigrl's padded
+``[P, G, T]`` layout with vectorised numpy (run-length + hash factorisation of
+the uids, stable ranks for the positions; no per-row Python loop), the
+jitted kernels of :mod:`gigrl.advantages.gigpo` compute the advantages, and
+the per-row scores are gathered back and spread over the response tokens.
+
+Semantics (verl-agent ``episode_norm_reward``, ``build_step_group``,
+``step_norm_reward``; GiGPO Eqs. 3, 6-8):
+
+* episode score of a row = ``token_level_rewards.sum(-1)``; mean/std over all
+  rows of the prompt (cross-step statistics); a prompt with one row keeps its
+  raw score (mean 0, std 1);
+* step groups: rows of a prompt with equal anchor observation (exact), or
+  greedy similarity clusters over the prompt's rows in batch order; a
+  singleton group gives 0;
+* ``mode``: ``mean_norm`` subtracts the mean, ``mean_std_norm`` also divides
+  by ``std + epsilon`` (unbiased std), at both levels;
+* joint: ``A = A_E + step_advantage_w * A_S``, times ``response_mask``.
+
+``step_rewards`` are the rows' discounted step returns (verl-agent computes
+them with ``compute_step_discounted_returns`` and subtracts the invalid-action
+penalty). Pass ``step_rewards=None`` with ``gamma`` and ``env_rewards`` (and
+optionally ``is_action_valid`` and ``invalid_action_penalty_coef``) to have
+them computed here (Eq. 5).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gigrl.advantages import anchors as anchors_lib
+from gigrl.advantages import gigpo as gigpo_lib
+
+MODES = gigpo_lib.MODES
+
+
+class RowLayout(NamedTuple):
+  """Where each flat row sits in the padded layout.
+
+  Attributes:
+    prompt: int64[N] prompt number (order of first appearance).
+    traj: int64[N] trajectory number within the prompt (0 when trajectories
+      are not needed: then each prompt's rows form one sequence).
+    step: int64[N] position within the trajectory (batch order).
+    shape: (P, G, T).
+    flat: int64[N] ``(prompt * G + traj) * T + step``.
+    dense: True iff ``flat == arange(N)`` (rows already are the padded grid,
+      so scatter and gather are reshapes).
+  """
+  prompt: np.ndarray
+  traj: np.ndarray
+  step: np.ndarray
+  shape: tuple[int, int, int]
+  flat: np.ndarray
+  dense: bool
+
+
+class FlatAdvantages(NamedTuple):
+  """Result of :func:`gigpo_row_advantages`.
+
+  Attributes:
+    token_advantages: f32[N, L] ``row_scores[:, None] * response_mask``
+      (a torch tensor when the rewards came as one).
+    row_scores: f32[N] joint advantage ``A_E + w * A_S`` of each row.
+    episode_advantages: f32[N] ``A_E`` of each row.
+    step_advantages: f32[N] ``A_S`` of each row.
+    step_group_ids: int32[N] anchor group of each row, dense per prompt.
+  """
+  token_advantages: Any
+  row_scores: np.ndarray
+  episode_advantages: np.ndarray
+  step_advantages: np.ndarray
+  step_group_ids: np.ndarray
+
+
+# ------------------------------------------------------------ row mapping
+def factorize(values: Any) -> tuple[np.ndarray, int, np.ndarray]:
+  """Dense codes of a length-N key array, in order of first appearance.
+
+  Equal neighbours are collapsed first (verl-agent rows of one uid are
+  usually adjacent), then the run values are hashed with a dict (uuid
+  strings: about 10x faster than ``np.unique``'s sort).
+
+  Args:
+    values: length-N sequence of hashable keys (np.ndarray of str/object/
+      int, list, ...).
+
+  Returns:
+    (codes int64[N], number of distinct keys, run starts int64[R]) where runs
+    are maximal blocks of equal neighbours.
+  """
+  arr = values if isinstance(values, np.ndarray) else np.asarray(
+      values, dtype=object)
+  n = len(arr)
+  if n == 0:
+    return np.zeros(0, np.int64), 0, np.zeros(0, np.int64)
+  change = np.flatnonzero(arr[1:] != arr[:-1]) + 1
+  starts = np.concatenate([[0], change]).astype(np.int64)
+  keys = arr[starts].tolist()
+  table = dict(zip(dict.fromkeys(keys), range(n)))
+  run_codes = np.fromiter(map(table.__getitem__, keys), np.int64, len(keys))
+  lengths = np.diff(np.append(starts, n))
+  return np.repeat(run_codes, lengths), len(table), starts
+
+
+def _ranks(codes: np.ndarray, n_codes: int, starts: np.ndarray | None = None
+           ) -> np.ndarray:
+  """Position of each element among the elements with the same code."""
+  n = len(codes)
+  if starts is not None and len(starts) == n_codes:   # each code is one run
+    lengths = np.diff(np.append(starts, n))
+    return np.arange(n, dtype=np.int64) - np.repeat(starts, lengths)
+  order = np.argsort(codes, kind="stable")
+  first = np.searchsorted(codes[order], np.arange(n_codes))
+  ranks = np.empty(n, np.int64)
+  ranks[order] = np.arange(n, dtype=np.int64) - first[codes[order]]
+  return ranks
+
+
+def row_layout(index: Any, traj_index: Any | None = None) -> RowLayout:
+  """Maps verl-agent's flat step rows onto the padded ``[P, G, T]`` layout.
+
+  Prompts and trajectories are numbered in order of first appearance; a
+  trajectory's steps are its rows in batch order. Vectorised: run-length and
+  dict factorisation of the uids, stable ranks for the positions.
+
+  Args:
+    index: length-N prompt-group uid of each row (strings, ints, ...).
+    traj_index: length-N trajectory uid of each row, or None: then G = 1 and
+      each prompt's rows, in batch order, form one sequence (enough for
+      GiGPO when the step returns are given: its statistics are per prompt).
+
+  Returns:
+    RowLayout.
+
+  Raises:
+    ValueError: lengths differ, or a trajectory's rows carry two prompt uids.
+  """
+  prompt, n_prompts, p_starts = factorize(index)
+  n = len(prompt)
+  if traj_index is None:
+    step = _ranks(prompt, n_prompts, p_starts)
+    traj = np.zeros(n, np.int64)
+  else:
+    if len(traj_index) != n:
+      raise ValueError(f"traj_index has {len(traj_index)} rows, index {n}")
+    tcode, n_traj, t_starts = factorize(traj_index)
+    owner = np.empty(n_traj, np.int64)
+    owner[tcode[::-1]] = prompt[::-1]            # prompt of each first row
+    if not np.array_equal(owner[tcode], prompt):
+      bad = int(np.flatnonzero(owner[tcode] != prompt)[0])
+      raise ValueError(f"row {bad}: trajectory {traj_index[bad]!r} appears "
+                       "under two prompt uids")
+    step = _ranks(tcode, n_traj, t_starts)
+    traj = _ranks(owner, n_prompts)[tcode]       # owner is first-appearance
+  shape = (n_prompts, int(traj.max(initial=-1)) + 1,
+           int(step.max(initial=-1)) + 1)
+  flat = (prompt * shape[1] + traj) * shape[2] + step
+  dense = n == shape[0] * shape[1] * shape[2] and bool(
+      (np.diff(flat) == 1).all())
+  return RowLayout(prompt, traj, step, shape, flat, dense)
+
+
+def _to_grid(layout: RowLayout, values: np.ndarray, fill=0) -> np.ndarray:
+  if layout.dense:
+    return values.reshape(layout.shape)
+  grid = np.full(int(np.prod(layout.shape)), fill, values.dtype)
+  grid[layout.flat] = values
+  return grid.reshape(layout.shape)
+
+
+def _from_grid(layout: RowLayout, grid: np.ndarray) -> np.ndarray:
+  flat = np.asarray(grid).reshape(-1)
+  return flat if layout.dense else flat[layout.flat]
+
+
+# ------------------------------------------------------------ anchors
+def _object_codes(anchor_obs: Any) -> np.ndarray:
+  """Global dense codes of the anchor observations (exact, verl-agent keys)."""
+  keys = anchor_obs.tolist() if isinstance(anchor_obs, np.ndarray) else list(
+      anchor_obs)
+  try:
+    uniq = dict.fromkeys(keys)
+  except TypeError:                # arrays / lists: verl-agent to_hashable
+    keys = [anchors_lib.to_hashable(k) for k in keys]
+    uniq = dict.fromkeys(keys)
+  table = dict(zip(uniq, range(len(uniq))))
+  return np.fromiter(map(table.__getitem__, keys), np.int64, len(keys))
+
+
+def step_group_ids(anchor_obs: Any, layout: RowLayout, *,
+                   enable_similarity: bool = False,
+                   similarity_thresh: float = 0.95) -> np.ndarray:
+  """Anchor group of each row, dense within its prompt (verl-agent
+  ``build_step_group``).
+
+  Args:
+    anchor_obs: length-N anchor observations: strings (or any hashable /
+      array observation, grouped by equality like verl-agent
+      ``to_hashable``), or an integer array of precomputed observation ids.
+    layout: from :func:`row_layout`.
+    enable_similarity: greedy similarity clusters (strings only) over each
+      prompt's rows in batch order instead of exact equality.
+    similarity_thresh: ``SequenceMatcher.ratio()`` threshold, in (0, 1).
+
+  Returns:
+    int32[N] ids in ``[0, rows of the prompt)``, equal iff same group; in
+    first-appearance order with similarity, in key order otherwise.
+
+  Raises:
+    ValueError: wrong length, or threshold not in (0, 1).
+    TypeError: similarity grouping of a non-string observation.
+  """
+  n = len(layout.prompt)
+  if len(anchor_obs) != n:
+    raise ValueError(f"anchor_obs has {len(anchor_obs)} rows, index {n}")
+  p_n = layout.shape[0]
+  if enable_similarity:
+    obs = anchor_obs.tolist() if isinstance(anchor_obs, np.ndarray) else list(
+        anchor_obs)
+    order = np.argsort(layout.prompt, kind="stable")
+    bounds = np.searchsorted(layout.prompt[order], np.arange(p_n + 1))
+    ids = np.empty(n, np.int32)
+    for p in range(p_n):
+      rows = order[bounds[p]:bounds[p + 1]]
+      ids[rows] = anchors_lib.similarity_clusters([obs[i] for i in rows],
+                                                  similarity_thresh)
+    return ids
+  arr = np.asarray(anchor_obs) if not isinstance(anchor_obs, np.ndarray) \
+      else anchor_obs
+  if arr.ndim == 1 and arr.dtype.kind in "iub":
+    codes = arr.astype(np.int64)
+  else:
+    codes = _object_codes(anchor_obs)
+  codes = codes - codes.min(initial=0)
+  key = layout.prompt * (int(codes.max(initial=0)) + 1) + codes
+  uniq, inv = np.unique(key, return_inverse=True)
+  first = np.searchsorted(uniq // (int(codes.max(initial=0)) + 1),
+                          np.arange(p_n))
+  return (inv.reshape(-1) - first[layout.prompt]).astype(np.int32)
+
+
+# ------------------------------------------------------------ kernel
+@functools.partial(jax.jit, static_argnames=("eps", "omega", "norm",
+                                             "gamma"))
+def _grid_kernel(scores, step_values, valid, ids, penalty, *, eps, omega,
+                 norm, gamma):
+  """Joint, episode and step advantages f32[P, G, T] (see gigpo.py)."""
+  returns = step_values
+  if gamma is not None:        # step_values are env rewards: Eq. 5
+    returns = gigpo_lib.discounted_returns(step_values, valid, gamma) - penalty
+  a_e = gigpo_lib.episode_advantages(scores, valid, eps=eps, norm_by_std=norm,
+                                     episode_stats="cross_steps")
+  a_s = gigpo_lib.step_advantages(returns, valid, ids, eps=eps,
+                                  norm_by_std=norm)
+  return jnp.where(valid, a_e + omega * a_s, 0.0), a_e, a_s
+
+
+def _numpy(x: Any, dtype=None) -> np.ndarray:
+  if hasattr(x, "detach"):                             # torch.Tensor
+    x = x.detach().cpu().numpy()
+  return np.asarray(x, dtype)
+
+
+def gigpo_row_advantages(token_level_rewards: Any, step_rewards: Any,
+                         response_mask: Any, anchor_obs: Any, index: Any,
+                         traj_index: Any, epsilon: float = 1e-6,
+                         step_advantage_w: float = 1.0,
+                         mode: str = "mean_norm",
+                         enable_similarity: bool = False,
+                         similarity_thresh: float = 0.95, *,
+                         gamma: float | None = None,
+                         env_rewards: Any = None,
+                         is_action_valid: Any = None,
+                         invalid_action_penalty_coef: float = 0.0
+                         ) -> FlatAdvantages:
+  """GiGPO advantages of verl-agent's flat step rows.
+
+  Reference: verl-agent ``compute_gigpo_outcome_advantage`` (same arguments
+  and defaults); golden ``tests/golden/gigpo_*``.
+
+  Args:
+    token_level_rewards: f32[N, L] (numpy or torch); the row's episode score
+      is its sum (verl-agent puts the episode reward minus the invalid-action
+      penalty at the last valid token).
+    step_rewards: f32[N] discounted step return of each row (penalty
+      included), or None to compute it from ``env_rewards`` and ``gamma``.
+    response_mask: [N, L] 0/1 mask of the response tokens.
+    anchor_obs: length-N anchor observations (strings, hashable objects or
+      integer ids; see :func:`step_group_ids`).
+    index: length-N prompt-group uid of each row (verl ``uid``).
+    traj_index: length-N trajectory uid (verl-agent ``traj_uid``); rows of a
+      trajectory in time order. Only used when ``step_rewards`` is None.
+    epsilon: added to both stds.
+    step_advantage_w: weight of the step advantage.
+    mode: ``"mean_norm"`` or ``"mean_std_norm"`` (both levels).
+    enable_similarity: similarity instead of exact anchor grouping.
+    similarity_thresh: similarity threshold in (0, 1).
+    gamma: discount of the step returns (only with ``step_rewards=None``).
+    env_rewards: f32[N] environment reward of each row (``step_rewards=
+      None``).
+    is_action_valid: [N] 0/1 or bool; an invalid action subtracts
+      ``invalid_action_penalty_coef`` from the step return
+      (``step_rewards=None``; the episode score already contains it).
+    invalid_action_penalty_coef: see ``is_action_valid``.
+
+  Returns:
+    FlatAdvantages (token advantages f32[N, L] as a torch tensor on the
+    rewards' device when ``token_level_rewards`` is one, numpy otherwise).
+
+  Raises:
+    ValueError: unknown mode, inconsistent lengths, missing ``gamma`` /
+      ``env_rewards``, a trajectory under two prompt uids.
+  """
+  if mode not in MODES:
+    raise ValueError(f"Unknown mode: {mode!r} (expected one of {MODES})")
+  tlr = _numpy(token_level_rewards)
+  mask = _numpy(response_mask)
+  if tlr.ndim != 2 or mask.shape != tlr.shape:
+    raise ValueError(f"token_level_rewards {tlr.shape} and response_mask "
+                     f"{mask.shape} must both be [N, L]")
+  n = tlr.shape[0]
+  if len(index) != n:
+    raise ValueError(f"index has {len(index)} rows, token_level_rewards {n}")
+  if step_rewards is None:
+    if gamma is None or env_rewards is None:
+      raise ValueError("step_rewards=None needs gamma and env_rewards")
+    layout = row_layout(index, traj_index)
+    values = _numpy(env_rewards, np.float32).reshape(-1)
+    penalty = np.zeros(n, np.float32)
+    if is_action_valid is not None:
+      penalty = invalid_action_penalty_coef * (
+          1.0 - _numpy(is_action_valid, np.float32).reshape(-1))
+  else:
+    layout = row_layout(index)
+    values = _numpy(step_rewards, np.float32).reshape(-1)
+    penalty = np.zeros(1, np.float32)
+    gamma = None
+  if len(values) != n:
+    raise ValueError(f"step rewards have {len(values)} rows, expected {n}")
+  scores = np.einsum("ij->i", tlr.astype(np.float32, copy=False))
+  ids = step_group_ids(anchor_obs, layout,
+                       enable_similarity=enable_similarity,
+                       similarity_thresh=similarity_thresh)
+  valid = _to_grid(layout, np.ones(n, bool), fill=False)
+  grid = lambda x: _to_grid(layout, x)
+  joint, a_e, a_s = _grid_kernel(
+      grid(scores), grid(values), valid, grid(ids),
+      grid(penalty) if gamma is not None else np.float32(0),
+      eps=float(epsilon), omega=float(step_advantage_w),
+      norm=mode == "mean_std_norm",
+      gamma=None if gamma is None else float(gamma))
+  row = _from_grid(layout, joint)
+  tokens = np.multiply(row[:, None], mask, dtype=np.float32)
+  if hasattr(token_level_rewards, "detach"):
+    import torch                                  # pylint: disable=g-import-not-at-top
+    tokens = torch.from_numpy(tokens).to(token_level_rewards.device)
+  return FlatAdvantages(tokens, row, _from_grid(layout, a_e),
+                        _from_grid(layout, a_s), ids)
+
+
+def compute_gigpo_outcome_advantage(token_level_rewards: Any,
+                                    step_rewards: Any, response_mask: Any,
+                                    anchor_obs: Any, index: Any,
+                                    traj_index: Any, epsilon: float = 1e-6,
+                                    step_advantage_w: float = 1.0,
+                                    mode: str = "mean_norm",
+                                    enable_similarity: bool = False,
+                                    similarity_thresh: float = 0.95,
+                                    **kwargs) -> tuple[Any, Any]:
+  """verl-agent's ``compute_gigpo_outcome_advantage``, computed by gigrl.
+
+  Same arguments, defaults and return as verl-agent (``(advantages,
+  returns)``, both the same f32[N, L] tensor); extra keyword arguments as in
+  :func:`gigpo_row_advantages`, which also returns the [N] row scores.
+
+  Raises:
+    ValueError: see :func:`gigpo_row_advantages`.
+  """
+  out = gigpo_row_advantages(
+      token_level_rewards, step_rewards, response_mask, anchor_obs, index,
+      traj_index, epsilon, step_advantage_w, mode, enable_similarity,
+      similarity_thresh, **kwargs)
+  return out.token_advantages, out.token_advantages
