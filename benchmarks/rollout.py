@@ -64,6 +64,12 @@ class SlowRetriever:
     time.sleep(self.seconds)
     return self.inner.search(queries, topk)
 
+  def new_step(self) -> None:
+    self.inner.new_step()
+
+  def metrics(self) -> dict[str, float]:
+    return self.inner.metrics()
+
 
 def time_engine(engine, state, questions, repeats: int, seed: int) -> dict[str, float]:
   """Compiles with one untimed run, then sums ``repeats`` timed runs."""
@@ -88,7 +94,7 @@ def main(argv=None) -> None:
   import jax  # pylint: disable=import-outside-toplevel
   from gigrl.data import qa  # pylint: disable=import-outside-toplevel
   from gigrl.data import tokenizer as tok_lib  # pylint: disable=import-outside-toplevel
-  from gigrl.rollout import callback, host_loop  # pylint: disable=import-outside-toplevel
+  from gigrl.rollout import engine as engine_lib  # pylint: disable=import-outside-toplevel
   from gigrl import testing  # pylint: disable=import-outside-toplevel
   from gigrl.search import BM25Retriever  # pylint: disable=import-outside-toplevel
 
@@ -98,14 +104,14 @@ def main(argv=None) -> None:
   if args.search_latency_ms:
     retriever = SlowRetriever(retriever, args.search_latency_ms / 1e3)
   all_q = [q.question for q in qa.load_bundled_questions()]
-  settings = host_loop.RolloutSettings(
+  settings = engine_lib.RolloutSettings(
       max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
       max_obs_tokens=args.max_obs_tokens, max_prompt_tokens=192, topk_docs=args.topk,
       temperature=args.temperature or 1.0, greedy=args.temperature == 0)
-  engines = {"host_loop": host_loop.HostLoopEngine(cfg, graphdef, tok, retriever, settings)}
+  args_ = (cfg, graphdef, tok, retriever, settings)
+  engines = {"host_loop": engine_lib.make_engine("host_loop", *args_)}
   for boundary in args.boundaries.split(","):
-    engines[f"cb:{boundary}"] = callback.CallbackEngine(cfg, graphdef, tok, retriever, settings,
-                                                        boundary=boundary)
+    engines[f"cb:{boundary}"] = engine_lib.make_engine("callback", *args_, boundary=boundary)
   print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} device(s); "
         f"model {cfg.num_params:,} params; "
         f"max_turns={settings.max_turns} max_new_tokens={settings.max_new_tokens} "

@@ -72,7 +72,7 @@ def bpe(bpe_dir):
   return tok_lib.load(bpe_dir)
 
 
-SETTINGS = host_loop.RolloutSettings(max_turns=2, max_new_tokens=48, max_obs_tokens=80,
+SETTINGS = engine_lib.RolloutSettings(max_turns=2, max_new_tokens=48, max_obs_tokens=80,
                                      max_prompt_tokens=256, topk_docs=2)
 
 
@@ -165,7 +165,7 @@ def test_demonstration_matches_rollout_format(tok):
 
 def test_prompt_too_long_names_question(tok):
   with pytest.raises(ValueError, match="max_prompt_tokens"):
-    host_loop.encode_prompts(tok, ["word " * 400], 256)
+    turns.encode_prompts(tok, ["word " * 400], 256)
 
 
 def test_retriever_returning_too_few_lists_is_an_error(monkeypatch, tok):

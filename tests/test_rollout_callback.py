@@ -25,15 +25,16 @@ from gigrl.data import tokenizer as tok_lib
 from gigrl.models import sampler as sampler_lib
 from gigrl.models import sharding as sharding_lib
 from gigrl.rollout import callback
+from gigrl.rollout import engine as engine_lib
 from gigrl.rollout import host_loop
 from gigrl.rollout import protocol
 from gigrl.rollout import turns
 from gigrl import testing
 from gigrl.testing import FakeRetriever
 
-SETTINGS = host_loop.RolloutSettings(max_turns=2, max_new_tokens=16, max_obs_tokens=64,
+SETTINGS = engine_lib.RolloutSettings(max_turns=2, max_new_tokens=16, max_obs_tokens=64,
                                      max_prompt_tokens=192, topk_docs=2, greedy=True)
-BPE_SETTINGS = host_loop.RolloutSettings(max_turns=2, max_new_tokens=28, max_obs_tokens=80,
+BPE_SETTINGS = engine_lib.RolloutSettings(max_turns=2, max_new_tokens=28, max_obs_tokens=80,
                                          max_prompt_tokens=256, topk_docs=2, greedy=True)
 FIELDS = ("tokens", "loss_mask", "step_ids", "lengths", "search_calls", "num_steps")
 
@@ -128,7 +129,7 @@ def test_bad_options_raise(chatty_model, tok):
   cfg, graphdef, _ = chatty_model
   with pytest.raises(ValueError, match="boundary"):
     callback.CallbackEngine(cfg, graphdef, tok, FakeRetriever(), SETTINGS, boundary="row")
-  small = host_loop.RolloutSettings(max_obs_tokens=8)
+  small = engine_lib.RolloutSettings(max_obs_tokens=8)
   with pytest.raises(ValueError, match="invalid-action message"):
     callback.CallbackEngine(cfg, graphdef, tok, FakeRetriever(), small)
 

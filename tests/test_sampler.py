@@ -190,3 +190,36 @@ def test_bf16_decode_matches_step_by_step_extend(prompts):
   np.testing.assert_allclose(got, want, atol=1e-2)
   np.testing.assert_array_equal(got == 0, want == 0)        # same slots written
   np.testing.assert_array_equal(out.cache.pos, cache.pos)
+
+
+def test_stop_hit_and_decode_step():
+  """The public decode step: stop windows with -1 wildcards, inactive rows untouched."""
+  from gigrl.models.sampler import PAD_TOKEN, as_stop_array, decode_step, stop_hit
+  stops = as_stop_array([[7, 8, 9], [3]])                       # [[7, 8, 9], [-1, -1, 3]]
+  np.testing.assert_array_equal(stops, [[7, 8, 9], [-1, -1, 3]])
+  window = jnp.array([[7, 8, 9], [1, 2, 3], [8, 9, 7], [-2, -2, -2]])
+  np.testing.assert_array_equal(stop_hit(window, stops), [True, True, False, False])
+  assert not stop_hit(window, as_stop_array(None)).any()
+
+  fed = []
+
+  def feed(kv, tok, act, logits):
+    fed.append((tok, act))
+    return logits + 1.0, kv + act.astype(jnp.int32)
+
+  logits = jnp.log(jax.nn.one_hot(jnp.array([9, 9, 5]), 16) + 1e-9)
+  out = decode_step(feed, jnp.zeros(3, jnp.int32), logits, jnp.array([[7, 8], [0, 8], [7, 8]]),
+                    jnp.array([True, True, False]), jax.random.key(0),
+                    jnp.array([[8, 9]]), 1.0,
+                    greedy=True)
+  np.testing.assert_array_equal(out.tokens, [9, 9, PAD_TOKEN])
+  np.testing.assert_array_equal(out.hit, [True, True, False])     # window (8, 9) on rows 0, 1
+  np.testing.assert_array_equal(out.window, [[8, 9], [8, 9], [7, 8]])
+  np.testing.assert_array_equal(out.kv, [1, 1, 0])
+  np.testing.assert_allclose(out.logprobs[:2], 0.0, atol=1e-6)
+  assert out.logprobs[2] == 0.0
+  out = decode_step(feed, out.kv, logits, out.window, jnp.array([True, True, True]),
+                    jax.random.key(0), jnp.array([[9, 4]]), 1.0,
+                    choose=lambda lg, key: jnp.array([4, 5, 4]))
+  np.testing.assert_array_equal(out.tokens, [4, 5, 4])
+  np.testing.assert_array_equal(out.hit, [True, False, False])

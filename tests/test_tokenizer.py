@@ -2,6 +2,7 @@
 import pytest
 
 from gigrl.data import tokenizer as tok_lib
+from gigrl import tags
 from gigrl.rollout import protocol
 
 
@@ -38,3 +39,14 @@ def test_retrain_small(tmp_path):
   path = tok_lib.train(str(tmp_path / "t.model"), vocab_size=2048)
   t = tok_lib.SentencePieceTokenizer(path)
   assert t.vocab_size == 2048 and len(t.encode("</search>")) == 1
+
+
+def test_data_imports_nothing_from_rollout():
+  """gigrl.data is below gigrl.rollout: the tags come from the leaf module gigrl.tags."""
+  import subprocess
+  import sys
+  code = ("import sys, gigrl.data.tokenizer, gigrl.data.hf_tokenizer, gigrl.data.qa, "
+          "gigrl.data.pool; bad = sorted(m for m in sys.modules if m.startswith('gigrl.rollout'))"
+          "; assert not bad, bad")
+  subprocess.run([sys.executable, "-c", code], check=True)
+  assert tok_lib.TAGS == tags.TAGS

@@ -74,7 +74,6 @@ from gigrl.models import transformer as tfm
 from gigrl.rollout import trajectory as traj_lib
 from gigrl.rollout import turns
 
-RolloutSettings = turns.RolloutSettings
 ROW_AXIS = "rollout_rows"   # the engine's own 1-D mesh axis (see row_mesh)
 
 
@@ -146,7 +145,7 @@ class CallbackEngine:
   kept apart by a run id passed into the program.
   """
 
-  def __init__(self, model_cfg, graphdef, tokenizer, retriever, settings: RolloutSettings,
+  def __init__(self, model_cfg, graphdef, tokenizer, retriever, settings: turns.RolloutSettings,
                *, mesh: Mesh | None = None, boundary: str = "turn", obs_chunk: int = 0):
     """Args beyond the host loop's:
       mesh: devices to split the batch over (all of them, flattened; see :func:`row_mesh`);
@@ -459,8 +458,3 @@ class CallbackEngine:
                                           (jnp.int32(0), cache, logits))
     return logits, cache
 
-
-def make_engine(*args, **kwargs):
-  """Deprecated alias of :func:`gigrl.rollout.engine.make_engine` (kept while callers move)."""
-  from gigrl.rollout import engine  # pylint: disable=import-outside-toplevel
-  return engine.make_engine(*args, **kwargs)

@@ -36,18 +36,24 @@ class RolloutEngine(Protocol):
 
     Args:
       params: the policy's ``nnx.State`` (from ``nnx.split(model)``), on any mesh.
-      questions: B question strings; row i of the batch belongs to ``questions[i]``.
-      key: PRNG key; the rollout is a deterministic function of (params, questions, key) for a
-        given engine and device count.
+      questions: B question strings; row i of the batch belongs to ``questions[i]``. On several
+        JAX processes (one per host), each process passes its own rows, the same B on every
+        process; the engine decodes them on that process's devices and sends their queries to
+        that process's retriever only.
+      key: PRNG key, the same on every process; the rollout is a deterministic function of
+        (params, questions, key) for a given engine and device count.
     Returns:
-      ``(batch, metrics)``: ``batch`` has B rows of width ``settings.seq_len`` (tokens i32[B, S],
-      loss_mask f32[B, S], step_ids i32[B, S], lengths i32[B], search_calls i32[B],
-      num_steps i32[B], per-row texts, anchors and action validity); on several processes each
-      process holds all B rows. ``metrics`` holds at least ``time/decode_s``,
-      ``time/search_s`` (seconds) and ``rollout/generated_tokens`` (count).
+      ``(batch, metrics)``: ``batch`` holds this process's B rows, each of width
+      ``settings.seq_len``: tokens i32[B, S], loss_mask f32[B, S] (1 on generated tokens),
+      step_ids i32[B, S] (turn of each generated token, -1 elsewhere), lengths i32[B],
+      search_calls i32[B], num_steps i32[B], and per row the text of each turn, the anchor
+      text of each step and each action's validity. ``metrics`` (this process's) holds at least
+      ``time/decode_s``, ``time/search_s`` (seconds), ``rollout/generated_tokens`` and
+      ``rollout/retriever_calls`` (counts).
     Raises:
       ValueError: a prompt is longer than ``settings.max_prompt_tokens``, or the retriever
-        returned a wrong number of result lists.
+        returned a wrong number of result lists (the callback engine raises errors of the
+        host side as ``CallbackRolloutError`` chained to them).
     """
     ...
 

@@ -28,16 +28,10 @@ from gigrl.rollout import trajectory as traj_lib
 from gigrl.rollout import turns
 
 
-RolloutSettings = turns.RolloutSettings
-settings_from_config = turns.settings_from_config
-stop_sequences = turns.stop_sequences
-encode_prompts = turns.encode_prompts
-
-
 class HostLoopEngine:
   """Runs batches of Search-R1 rollouts with a host loop over turns (a :class:`RolloutEngine`)."""
 
-  def __init__(self, model_cfg, graphdef, tokenizer, retriever, settings: RolloutSettings,
+  def __init__(self, model_cfg, graphdef, tokenizer, retriever, settings: turns.RolloutSettings,
                mesh=None):
     """``mesh``: if given, the KV cache is sharded over it (rows over ('data', 'fsdp'),
     KV heads over 'tp'), matching params laid out on the same mesh. On several processes it
