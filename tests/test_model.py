@@ -7,7 +7,7 @@ from flax import nnx
 
 from gigrl.config_utils import ConfigError
 from gigrl.models import (PRESETS, ModelConfig, Transformer, default_config, extend,
-                          init_cache, model_config_from, validate)
+                          generate, init_cache, model_config_from, validate)
 from gigrl.models.transformer import rope_inv_freq
 
 TOL = 2e-5
@@ -132,40 +132,6 @@ def test_presets_param_counts():
   assert abs(PRESETS["llama-3.2-1b"].num_params / 1e9 - 1.24) < 0.01
 
 
-def test_decode_attention_path_matches_einsum():
-  from gigrl.models import transformer as tfm
-  keys = jax.random.split(jax.random.key(0), 3)
-  q = jax.random.normal(keys[0], (3, 1, 8, 16))
-  k = jax.random.normal(keys[1], (3, 10, 2, 16))
-  v = jax.random.normal(keys[2], (3, 10, 2, 16))
-  mask = (jnp.arange(10)[None, None, :] <= jnp.array([0, 4, 9])[:, None, None])
-  got = tfm._attend_one(q, k, v, mask)
-  q2 = jnp.concatenate([q, q], axis=1)          # C = 2 takes the einsum path
-  want = tfm.attend(q2, k, v, jnp.concatenate([mask, mask], axis=1))[:, :1]
-  np.testing.assert_allclose(got, want, atol=1e-5)
-
-
-@pytest.mark.parametrize("block", [3, 4, 32])   # 3 and 4 leave a partial last block
-def test_block_causal_attention_matches_masked_attend(block):
-  from gigrl.models import transformer as tfm
-  keys = jax.random.split(jax.random.key(4), 4)
-  q = jax.random.normal(keys[0], (2, 10, 4, 8))
-  k = jax.random.normal(keys[1], (2, 10, 2, 8))
-  v = jax.random.normal(keys[2], (2, 10, 2, 8))
-  w = jax.random.normal(keys[3], (2, 10, 4, 8))
-  mask = jnp.broadcast_to(jnp.tril(jnp.ones((10, 10), bool)), (2, 10, 10))
-
-  def loss(fn):
-    return lambda q, k, v: jnp.sum(w * fn(q, k, v))
-
-  got = tfm.attend_causal(q, k, v, block)
-  np.testing.assert_allclose(got, tfm.attend(q, k, v, mask), atol=1e-6)
-  g_got = jax.grad(loss(lambda *a: tfm.attend_causal(*a, block)), argnums=(0, 1, 2))(q, k, v)
-  g_want = jax.grad(loss(lambda *a: tfm.attend(*a, mask)), argnums=(0, 1, 2))(q, k, v)
-  for a, b in zip(g_got, g_want):
-    np.testing.assert_allclose(a, b, atol=1e-5)
-
-
 def test_model_block_causal_equals_dense(tokens):
   blocked = Transformer(_cfg(causal_block=5), rngs=nnx.Rngs(0))
   dense = Transformer(_cfg(causal_block=0), rngs=nnx.Rngs(0))
@@ -197,3 +163,101 @@ def test_bf16_cache_writes_keep_bits():
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want))
   np.testing.assert_array_equal(np.asarray(got[0, 1, 0], np.float32), [1.5, -2, 3.25])
   assert not np.asarray(got[1], np.float32).any()
+
+
+def test_backend_and_attention_resolved_when_built():
+  cfg = _cfg()
+  assert (cfg.backend, cfg.attention) == ("auto", "auto")
+  m = Transformer(cfg, rngs=nnx.Rngs(0))
+  assert (m.cfg.backend, m.cfg.attention) == ("cpu", "xla")         # tests run on CPU
+  assert m.loop_layers()
+  acc = Transformer(cfg.replace(backend="accelerator"), rngs=nnx.Rngs(0))
+  assert acc.cfg.backend == "accelerator" and not acc.loop_layers()
+  assert cfg.resolve("tpu").attention == "splash"
+  assert cfg.resolve("gpu") == cfg.replace(backend="accelerator", attention="xla")
+  with pytest.raises(ValueError, match="backend"):
+    cfg.replace(backend="tpu")
+  c = default_config()
+  c.backend = "gpu"
+  with pytest.raises(ConfigError, match="model.backend"):
+    validate(c)
+  c.backend, c.attention = "accelerator", "splash"
+  assert model_config_from(c).backend == "accelerator"
+  assert model_config_from(c).attention == "splash"
+
+
+def test_dtypes_accept_jnp_types():
+  cfg = _cfg(dtype=jnp.bfloat16, param_dtype=np.float32)
+  assert (cfg.dtype, cfg.param_dtype) == ("bfloat16", "float32")
+  assert cfg == _cfg(dtype="bfloat16")
+  with pytest.raises(ValueError, match="dtype"):
+    _cfg(dtype=jnp.int32)
+
+
+def _pair(**kw):
+  """The same weights under the CPU paths and the accelerator paths."""
+  cpu = Transformer(_cfg(backend="cpu", **kw), rngs=nnx.Rngs(0))
+  acc = Transformer(_cfg(backend="accelerator", **kw), rngs=nnx.Rngs(0))
+  return cpu, acc
+
+
+def test_cpu_and_accelerator_forward_and_gradients_agree(tokens):
+  """Python layer loop (cpu) vs lax.scan over stacked layers (accelerator)."""
+  cpu, acc = _pair()
+  np.testing.assert_allclose(cpu(tokens), acc(tokens), atol=TOL)
+
+  def loss(model):
+    return jnp.sum(model.hidden(tokens) ** 2)
+
+  g_cpu, g_acc = nnx.grad(loss)(cpu), nnx.grad(loss)(acc)
+  for a, b in zip(jax.tree.leaves(g_cpu), jax.tree.leaves(g_acc)):
+    np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cache_block", [0, 8])   # 8: decode reads filled blocks only
+def test_accelerator_decode_program_matches_cpu(tokens, cache_block):
+  """The stacked-cache decode program a TPU runs (scan over layers inside the
+  while_loop, cache attention over the filled blocks) samples the same tokens with
+  the same log-probs as the CPU per-layer program."""
+  cpu, acc = _pair(cache_block=cache_block)
+  prompts, lens = tokens[:, :7], jnp.asarray([7, 3, 5], jnp.int32)
+  outs = []
+  for m in (cpu, acc):
+    g, st = nnx.split(m)
+    outs.append(generate(g, st, prompts, lens, jax.random.key(3), max_new_tokens=12,
+                         cache_len=24))
+  a, b = outs
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  np.testing.assert_array_equal(a.lengths, b.lengths)
+  np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+  np.testing.assert_allclose(a.cache.k, b.cache.k, atol=1e-4)
+  np.testing.assert_array_equal(a.cache.pos, b.cache.pos)
+
+
+def test_accelerator_extend_matches_full_forward(tokens):
+  """Prefill + decode steps on the accelerator path with a multi-block cache."""
+  _, acc = _pair(cache_block=4)
+  full = np.asarray(acc(tokens))
+  cache = init_cache(acc.cfg, 3, 14)                 # 4 does not divide 14
+  step = jax.jit(lambda c, t, n: extend(acc, c, t, n))
+  logits, cache = step(cache, tokens[:, :6], jnp.asarray([6, 2, 5], jnp.int32))
+  np.testing.assert_allclose(logits[0], full[0, :6], atol=TOL)
+  np.testing.assert_allclose(logits[1, :2], full[1, :2], atol=TOL)
+  pos = np.asarray([6, 2, 5])
+  for _ in range(4):
+    tok = jnp.asarray(np.asarray(tokens)[np.arange(3), pos])[:, None]
+    logits, cache = step(cache, jnp.pad(tok, ((0, 0), (0, 5))), jnp.ones(3, jnp.int32))
+    for r in range(3):
+      np.testing.assert_allclose(logits[r, 0], full[r, pos[r]], atol=TOL)
+    pos += 1
+
+
+def test_splash_model_matches_xla_model(tokens):
+  """attention="splash" (Pallas kernel, interpret mode on CPU) vs the XLA path."""
+  xla = Transformer(_cfg(backend="accelerator", attention="xla"), rngs=nnx.Rngs(0))
+  spl = Transformer(_cfg(backend="accelerator", attention="splash", kernel_interpret=True),
+                    rngs=nnx.Rngs(0))
+  np.testing.assert_allclose(jax.jit(lambda t: spl(t))(tokens), xla(tokens), atol=TOL)
+  seg = (jnp.arange(12)[None] >= jnp.asarray([0, 3, 0])[:, None]).astype(jnp.int32)
+  np.testing.assert_allclose(spl.hidden(tokens, segment_ids=seg),
+                             xla.hidden(tokens, segment_ids=seg), atol=TOL)

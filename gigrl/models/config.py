@@ -8,8 +8,12 @@ the HF `Qwen2Config` / `LlamaConfig` field meanings.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Any, Mapping
 
+import jax
+import jax.numpy as jnp
 import ml_collections as mlc
 
 from gigrl.config_utils import ConfigError, check_choice, check_range, get_field
@@ -17,7 +21,14 @@ from gigrl.config_utils import ConfigError, check_choice, check_range, get_field
 DTYPES = ("float32", "bfloat16", "float16")
 TRAIN_SHARDINGS = ("replicated", "fsdp", "fsdp_tp", "tp")
 ROLLOUT_SHARDINGS = ("replicated", "tp", "fsdp_tp", "fsdp")
-REMAT = ("none", "full")
+REMAT = ("none", "full", "dots")
+# "cpu": XLA:CPU paths (Python layer loop, per-layer decode buffers, row-major decode
+# attention); "accelerator": lax.scan over stacked layers and the stacked KV cache (what
+# a TPU runs). "auto" is resolved from `jax.default_backend()` when the model is built.
+BACKENDS = ("auto", "cpu", "accelerator")
+# Training (cache-free causal) attention: "xla" = dense / block-causal XLA attention,
+# "splash" = the Pallas TPU splash-attention kernel. "auto": splash on TPU, else xla.
+ATTENTION = ("auto", "xla", "splash")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +56,13 @@ class ModelConfig:
   param_dtype: str = "float32"
   dtype: str = "float32"
   max_position: int = 32768
-  remat: str = "none"
+  remat: str = "none"  # none | full | dots (save the weight-matmul outputs)
   scan_unroll: int = 1  # lax.scan unroll over layers (>= num_layers = fully unrolled)
   causal_block: int = 32  # query block of the cache-free causal attention (0 = dense)
+  backend: str = "auto"  # one of BACKENDS; resolved by `resolve` in Transformer()
+  attention: str = "auto"  # one of ATTENTION; resolved by `resolve`
+  cache_block: int = 512  # accelerator KV-cache attention: slots per block read (0 = all)
+  kernel_interpret: bool = False  # run Pallas kernels in interpret mode (CPU tests)
 
   def __post_init__(self):
     if isinstance(self.rope_scaling, Mapping):
@@ -60,8 +75,19 @@ class ModelConfig:
       raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
                        f"num_kv_heads={self.num_kv_heads}")
     for name in ("dtype", "param_dtype"):
-      if getattr(self, name) not in DTYPES:
+      value = getattr(self, name)
+      if not isinstance(value, str):  # a jnp / numpy dtype, e.g. jnp.bfloat16
+        try:
+          value = jnp.dtype(value).name
+        except TypeError:
+          pass
+        object.__setattr__(self, name, value)
+      if value not in DTYPES:
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} not in {DTYPES}")
+    for name, allowed in (("remat", REMAT), ("backend", BACKENDS),
+                          ("attention", ATTENTION)):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} not in {allowed}")
 
   @property
   def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -81,6 +107,22 @@ class ModelConfig:
 
   def replace(self, **kw) -> "ModelConfig":
     return dataclasses.replace(self, **kw)
+
+  def resolve(self, platform: str | None = None) -> "ModelConfig":
+    """This config with `backend` and `attention` "auto" replaced by concrete paths.
+
+    Args:
+      platform: a JAX platform name ("cpu", "tpu", "gpu"); default
+        `jax.default_backend()`. `backend="auto"` -> "cpu" on cpu, else "accelerator";
+        `attention="auto"` -> "splash" on tpu, else "xla".
+    """
+    platform = platform or jax.default_backend()
+    kw = {}
+    if self.backend == "auto":
+      kw["backend"] = "cpu" if platform == "cpu" else "accelerator"
+    if self.attention == "auto":
+      kw["attention"] = "splash" if platform == "tpu" else "xla"
+    return dataclasses.replace(self, **kw) if kw else self
 
 
 def _freeze(v):
@@ -137,7 +179,10 @@ def default_config() -> mlc.ConfigDict:
   c.tie_embeddings = ""       # "" = preset value, else "true" / "false"
   c.dtype = "float32"         # activation / compute dtype
   c.param_dtype = "float32"   # parameter storage dtype
-  c.remat = "none"            # none | full (rematerialise each block in backward)
+  c.remat = "none"            # none | full (rematerialise each block in backward) |
+                              # dots (keep the weight-matmul outputs, recompute the rest)
+  c.backend = "auto"          # auto | cpu | accelerator (which model code paths run)
+  c.attention = "auto"        # auto | xla | splash (training attention; auto = splash on TPU)
   c.logprob_chunk_size = 512  # sequence chunk for token_logprobs
   c.causal_block = -1         # training causal-attention query block: -1 = preset's
                               # value (32; tiny presets 0), 0 = dense masked attention
@@ -162,6 +207,8 @@ def validate(cfg_model: Any) -> None:
   check_choice(c, "model.dtype", DTYPES)
   check_choice(c, "model.param_dtype", DTYPES)
   check_choice(c, "model.remat", REMAT)
+  check_choice(c, "model.backend", BACKENDS)
+  check_choice(c, "model.attention", ATTENTION)
   check_range(c, "model.logprob_chunk_size", 1, integer=True)
   check_range(c, "model.causal_block", -1, integer=True)
   sizes = [check_range_mesh(c, f"model.mesh.{a}") for a in ("data", "fsdp", "tp")]
@@ -204,7 +251,8 @@ def _apply_overrides(base: ModelConfig, cfg_model: Any,
 
 def _compute_overrides(cfg_model: Any, base: ModelConfig) -> dict[str, Any]:
   """The fields the section sets for presets and HF checkpoints alike."""
-  kw = {k: cfg_model.get(k, getattr(base, k)) for k in ("dtype", "param_dtype", "remat")}
+  kw = {k: cfg_model.get(k, getattr(base, k))
+        for k in ("dtype", "param_dtype", "remat", "backend", "attention")}
   if cfg_model.get("causal_block", -1) >= 0:       # -1 = the preset's value
     kw["causal_block"] = int(cfg_model.causal_block)
   return kw
@@ -221,11 +269,84 @@ def model_config_from(cfg_model: Any, vocab_size: int | None = None) -> ModelCon
   """
   validate(cfg_model)
   if cfg_model.hf_path:
-    from gigrl.models import hf  # local import: hf pulls in safetensors
-    base = hf.config_from_hf(cfg_model.hf_path)
+    base = config_from_hf(cfg_model.hf_path)
     if vocab_size and vocab_size > base.vocab_size:
       raise ConfigError("model.hf_path", cfg_model.hf_path,
                         f"a checkpoint whose vocab ({base.vocab_size}) covers the "
                         f"tokenizer's {vocab_size} ids")
     return dataclasses.replace(base, **_compute_overrides(cfg_model, base))
   return _apply_overrides(PRESETS[cfg_model.preset], cfg_model, vocab_size)
+
+
+# --------------------------------------------------------------------------- HF config.json
+
+SUPPORTED = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+class HFImportError(ValueError):
+  """A checkpoint cannot be imported; the message names the tensor or field."""
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+  """The parsed `<path>/config.json`; HFImportError when it is missing."""
+  fn = os.path.join(path, "config.json")
+  if not os.path.exists(fn):
+    raise HFImportError(f"{fn} not found (expected a HF checkpoint directory)")
+  with open(fn) as f:
+    return json.load(f)
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, dict | None]:
+  """(rope_theta, llama3 scaling dict or None) from old or new (v5) config fields."""
+  params = dict(hf.get("rope_parameters") or {})
+  theta = params.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
+  scaling = params or hf.get("rope_scaling") or None
+  if scaling:
+    scaling = dict(scaling)
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+      return float(theta), None
+    if kind != "llama3":
+      raise HFImportError(f"config field rope_scaling.rope_type={kind!r} is not "
+                          "supported (only 'default' and 'llama3')")
+    scaling = {k: scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                       "original_max_position_embeddings")}
+    scaling["rope_type"] = "llama3"
+  return float(theta), scaling
+
+
+def config_from_hf(path_or_config: str | dict, *, dtype: Any = "float32",
+                   param_dtype: Any = None) -> ModelConfig:
+  """ModelConfig of a HF Qwen2 / Llama checkpoint directory or config dict.
+
+  `dtype` / `param_dtype` (default: dtype) are names or jnp / numpy dtypes. Raises
+  HFImportError naming the config.json field that gigrl does not support.
+  """
+  hf = (read_hf_config(path_or_config) if isinstance(path_or_config, str)
+        else path_or_config)
+  mt = hf.get("model_type")
+  if mt not in SUPPORTED:
+    raise HFImportError(f"config field model_type={mt!r} (architectures="
+                        f"{hf.get('architectures')}) is not supported; supported: "
+                        f"{sorted(SUPPORTED)}")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise HFImportError(f"config field hidden_act={hf['hidden_act']!r}: only 'silu'")
+  if hf.get("mlp_bias"):
+    raise HFImportError("config field mlp_bias=true is not supported")
+  if mt == "qwen2" and hf.get("use_sliding_window"):
+    raise HFImportError("config field use_sliding_window=true is not supported")
+  if mt == "llama" and hf.get("attention_bias"):
+    raise HFImportError("config field attention_bias=true (o_proj bias) is not "
+                        "supported for llama")
+  heads = hf["num_attention_heads"]
+  theta, scaling = _rope(hf)
+  return ModelConfig(
+      vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+      intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+      num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+      rope_theta=theta, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+      qkv_bias=(mt == "qwen2"),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      rope_scaling=scaling, dtype=dtype, param_dtype=param_dtype or dtype,
+      max_position=hf.get("max_position_embeddings", 32768))

@@ -15,7 +15,6 @@ HF Linear weights are [out, in]; gigrl kernels are [in, out] and stacked over la
 """
 from __future__ import annotations
 
-import dataclasses
 import glob
 import json
 import os
@@ -28,10 +27,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from gigrl.models.config import ModelConfig
+from gigrl.models.config import (SUPPORTED, HFImportError, ModelConfig,  # noqa: F401
+                                 config_from_hf, read_hf_config)
 from gigrl.models.transformer import Transformer
-
-SUPPORTED = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
               "F64": np.float64, "I64": np.int64, "I32": np.int32}
@@ -57,73 +55,6 @@ _TOP_MAP = {
     "final_norm": ("model.norm.weight", False),
     "lm_head": ("lm_head.weight", True),
 }
-
-
-class HFImportError(ValueError):
-  """A checkpoint cannot be imported; the message names the tensor or field."""
-
-
-# --------------------------------------------------------------------------- config
-
-
-def read_hf_config(path: str) -> dict[str, Any]:
-  fn = os.path.join(path, "config.json")
-  if not os.path.exists(fn):
-    raise HFImportError(f"{fn} not found (expected a HF checkpoint directory)")
-  with open(fn) as f:
-    return json.load(f)
-
-
-def _rope(hf: dict[str, Any]) -> tuple[float, dict | None]:
-  """(rope_theta, llama3 scaling dict or None) from old or new (v5) config fields."""
-  params = dict(hf.get("rope_parameters") or {})
-  theta = params.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
-  scaling = params or hf.get("rope_scaling") or None
-  if scaling:
-    scaling = dict(scaling)
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-      return float(theta), None
-    if kind != "llama3":
-      raise HFImportError(f"config field rope_scaling.rope_type={kind!r} is not "
-                          "supported (only 'default' and 'llama3')")
-    scaling = {k: scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                       "original_max_position_embeddings")}
-    scaling["rope_type"] = "llama3"
-  return float(theta), scaling
-
-
-def config_from_hf(path_or_config: str | dict, *, dtype: str = "float32",
-                   param_dtype: str | None = None) -> ModelConfig:
-  """ModelConfig of a HF Qwen2 / Llama checkpoint directory or config dict."""
-  hf = (read_hf_config(path_or_config) if isinstance(path_or_config, str)
-        else path_or_config)
-  mt = hf.get("model_type")
-  if mt not in SUPPORTED:
-    raise HFImportError(f"config field model_type={mt!r} (architectures="
-                        f"{hf.get('architectures')}) is not supported; supported: "
-                        f"{sorted(SUPPORTED)}")
-  if hf.get("hidden_act", "silu") != "silu":
-    raise HFImportError(f"config field hidden_act={hf['hidden_act']!r}: only 'silu'")
-  if hf.get("mlp_bias"):
-    raise HFImportError("config field mlp_bias=true is not supported")
-  if mt == "qwen2" and hf.get("use_sliding_window"):
-    raise HFImportError("config field use_sliding_window=true is not supported")
-  if mt == "llama" and hf.get("attention_bias"):
-    raise HFImportError("config field attention_bias=true (o_proj bias) is not "
-                        "supported for llama")
-  heads = hf["num_attention_heads"]
-  theta, scaling = _rope(hf)
-  return ModelConfig(
-      vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-      intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
-      num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-      rope_theta=theta, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-      qkv_bias=(mt == "qwen2"),
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      rope_scaling=scaling, dtype=dtype, param_dtype=param_dtype or dtype,
-      max_position=hf.get("max_position_embeddings", 32768))
 
 
 # --------------------------------------------------------------------------- safetensors
@@ -255,25 +186,30 @@ def abstract_with_shardings(cfg: ModelConfig, mesh: Mesh | None, preset: str):
   return graphdef, abs_state, pure, shardings
 
 
-def from_hf(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
+def from_hf(path: str, *, dtype: Any = "float32", param_dtype: Any = None,
             mesh: Mesh | None = None, preset: str = "replicated",
-            remat: str = "none") -> tuple[Transformer, ModelConfig]:
+            config: ModelConfig | None = None,
+            **overrides) -> tuple[Transformer, ModelConfig]:
   """Loads a HF Qwen2 / Llama checkpoint into a Transformer.
 
   Args:
     path: directory with config.json and *.safetensors.
-    dtype: activation dtype; param_dtype: storage dtype (default = dtype).
+    dtype: activation dtype; param_dtype: storage dtype (default = dtype). Either a
+      name ("bfloat16") or a jnp / numpy dtype (`jnp.bfloat16`).
     mesh, preset: place each parameter on `sharding.param_shardings(.., mesh,
       preset)`; without a mesh everything goes to the first device.
-    remat: ModelConfig.remat.
+    config: the ModelConfig to build (e.g. `model_config_from(cfg.model)`, which
+      already read config.json and applied the `model` section); default
+      `config_from_hf(path, dtype=dtype, param_dtype=param_dtype)`.
+    **overrides: other ModelConfig fields (remat, backend, attention, ...).
   Returns:
-    (model, cfg).
+    (model, cfg); `model.cfg` is `cfg` with backend / attention resolved.
   Raises:
     HFImportError naming the field / tensor for an unsupported architecture, a missing
     tensor or a shape mismatch.
   """
-  cfg = dataclasses.replace(config_from_hf(path, dtype=dtype, param_dtype=param_dtype),
-                            remat=remat)
+  cfg = config or config_from_hf(path, dtype=dtype, param_dtype=param_dtype)
+  cfg = cfg.replace(**overrides)
   reader = SafetensorsReader(path)
   graphdef, abs_state, pure, shardings = abstract_with_shardings(cfg, mesh, preset)
 

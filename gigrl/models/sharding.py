@@ -176,21 +176,6 @@ def init_sharded(cfg: ModelConfig, mesh: Mesh, preset: str, seed: int = 0):
   return graphdef, jax.jit(init, out_shardings=shardings)()
 
 
-def local_shard_shapes(state: Any) -> Any:
-  """Tree of the first addressable shard's shape (for tests and logging)."""
-  return jax.tree.map(lambda x: tuple(x.addressable_shards[0].data.shape), state)
-
-
-def describe(state: Any) -> dict[str, str]:
-  """{param name: 'global shape -> shard shape spec'} for logging."""
-  out = {}
-  for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-    spec = getattr(x.sharding, "spec", None)
-    out[_leaf_name(path)] = (f"{tuple(x.shape)} -> "
-                             f"{tuple(x.addressable_shards[0].data.shape)} {spec}")
-  return out
-
-
 def mesh_from_config(cfg_model: Any, devices=None) -> Mesh:
   """Mesh of the `model.mesh` section ({data, fsdp, tp}; one may be -1)."""
   return make_mesh(dict(cfg_model.mesh), devices)
@@ -198,5 +183,4 @@ def mesh_from_config(cfg_model: Any, devices=None) -> Mesh:
 
 __all__ = ["AXES", "BATCH", "PRESET_NAMES", "make_mesh", "mesh_from_config",
            "param_spec", "param_shardings", "opt_state_shardings", "batch_sharding",
-           "cache_shardings", "shard_state", "init_sharded", "fit_spec",
-           "local_shard_shapes", "describe"]
+           "cache_shardings", "shard_state", "init_sharded", "fit_spec"]

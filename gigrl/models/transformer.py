@@ -18,16 +18,20 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
+from gigrl.models import attention as attn
+from gigrl.models.attention import attend, attend_causal  # noqa: F401  (re-exported)
 from gigrl.models.config import ModelConfig
 
 _INIT_STD = 0.02  # HF initializer_range
+DENSE_NAME = "dense"  # checkpoint_name of every weight-matmul output (remat="dots")
 
 
 class KVCache(NamedTuple):
@@ -159,79 +163,8 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
   XLA:CPU use its AMX/bf16 kernels: 5x faster than a bf16-output dot there).
   """
   y = jnp.matmul(x.reshape(-1, x.shape[-1]), w, preferred_element_type=jnp.float32)
-  return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1])
-
-
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-  """Grouped-query softmax attention.
-
-  The G = H / KV query heads sharing a KV head are folded into the query axis, and
-  q/k/v are transposed to [B*KV, rows, Dh] first so both products are canonical
-  batched matmuls (1.7x faster forward+backward on XLA:CPU than contracting the
-  [B, S, KV, Dh] layout directly).
-
-  Args:
-    q: [B, C, H, Dh]; k, v: [B, S, KV, Dh]; mask: bool[B, C, S] (True = may attend).
-  Returns:
-    [B, C, H, Dh] in q's dtype. Scores and softmax are f32.
-  """
-  b, c, h, hd = q.shape
-  s_len, kv = k.shape[1], k.shape[2]
-  g = h // kv
-  if c == 1 and kv <= 4 and jax.default_backend() == "cpu":
-    return _attend_one(q, k, v, mask)
-  qt = q.reshape(b, c, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b * kv, g * c, hd)
-  kt = k.transpose(0, 2, 1, 3).reshape(b * kv, s_len, hd)
-  vt = v.transpose(0, 2, 1, 3).reshape(b * kv, s_len, hd)
-  s = jnp.einsum("nqd,nsd->nqs", qt, kt, preferred_element_type=jnp.float32)
-  s = s.reshape(b, kv, g, c, s_len) * (1.0 / math.sqrt(hd))
-  s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
-  p = jax.nn.softmax(s, axis=-1).astype(v.dtype).reshape(b * kv, g * c, s_len)
-  o = jnp.einsum("nqs,nsd->nqd", p, vt, preferred_element_type=jnp.float32)
-  o = o.astype(v.dtype).reshape(b, kv, g, c, hd)
-  return o.transpose(0, 3, 1, 2, 4).reshape(b, c, h, hd)
-
-
-def attend_causal(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
-  """Causal grouped-query attention that skips the masked upper triangle.
-
-  Query block i (rows i*block .. ) attends only to keys [0, end of block i), so
-  scores, softmax and both products cover ~(S + block) / (2 S) of the full S x S
-  square (56% at S=256, block 32), forward and backward: 1.8x faster than `attend`
-  with a causal mask on XLA:CPU at B=8, S=256, H=8. Same maths as `attend` with
-  mask = tril (rows keep their own position). The block skipping is FlashAttention's
-  causal case (Dao et al. 2022, arXiv:2205.14135), without its online softmax:
-  each block's scores [B*KV, block*G, end] are materialised.
-
-  Args:
-    q: [B, S, H, Dh]; k, v: [B, S, KV, Dh] at positions 0..S-1 of the same rows.
-    block: query rows per block (static).
-  Returns:
-    [B, S, H, Dh] in q's dtype.
-  """
-  b, s_len, h, hd = q.shape
-  kv = k.shape[2]
-  g = h // kv
-  qt = q.reshape(b, s_len, kv, g, hd).transpose(0, 2, 1, 3, 4)         # [B,KV,S,G,Dh]
-  kt = k.transpose(0, 2, 1, 3)                                          # [B,KV,S,Dh]
-  vt = v.transpose(0, 2, 1, 3)
-  outs = []
-  for start in range(0, s_len, block):
-    end = min(start + block, s_len)
-    c = end - start
-    qi = qt[:, :, start:end].reshape(b * kv, c * g, hd)                 # rows (pos, g)
-    ki = kt[:, :, :end].reshape(b * kv, end, hd)
-    vi = vt[:, :, :end].reshape(b * kv, end, hd)
-    sc = jnp.einsum("nqd,nsd->nqs", qi, ki, preferred_element_type=jnp.float32)
-    sc = sc * (1.0 / math.sqrt(hd))
-    qpos = start + jnp.arange(c)[:, None, None]
-    allowed = jnp.broadcast_to(jnp.arange(end)[None, None, :] <= qpos, (c, g, end))
-    sc = jnp.where(allowed.reshape(1, c * g, end), sc, jnp.finfo(jnp.float32).min)
-    p = jax.nn.softmax(sc, axis=-1).astype(v.dtype)
-    o = jnp.einsum("nqs,nsd->nqd", p, vi, preferred_element_type=jnp.float32)
-    outs.append(o.astype(q.dtype).reshape(b, kv, c, g, hd))
-  o = jnp.concatenate(outs, axis=2)
-  return o.transpose(0, 2, 1, 3, 4).reshape(b, s_len, h, hd)
+  y = checkpoint_name(y.astype(x.dtype), DENSE_NAME)
+  return y.reshape(*x.shape[:-1], w.shape[-1])
 
 
 def constrain_batch(x: jax.Array) -> jax.Array:
@@ -274,33 +207,6 @@ def write_cache(buf: jax.Array, idx: tuple, new: jax.Array) -> jax.Array:
   bits = jax.lax.bitcast_convert_type(buf, jnp.uint16)
   bits = bits.at[idx].set(jax.lax.bitcast_convert_type(new, jnp.uint16), mode="drop")
   return jax.lax.bitcast_convert_type(bits, buf.dtype)
-
-
-def _attend_one(q, k, v, mask):
-  """Decode-step attention (one query per row) with only row-major matmuls.
-
-  Same maths as `attend`. The batched einsum contracts k/v over their head dim with
-  the KV-head as a batch dim, which makes XLA:CPU transpose this layer's whole
-  [B, S, KV, Dh] cache slab every step. Here the query heads form a block-diagonal
-  [KV*Dh, H] matrix, so scores are one [S, KV*Dh] @ [KV*Dh, H] product per row on
-  the cache as laid out (KV x more multiply-adds, but decode attention is memory
-  bound): 2.2x faster per step on XLA:CPU at B=32, S=192, KV=2. Used on CPU for
-  KV <= 4 only; accelerators keep the einsum path.
-  """
-  b, _, h, hd = q.shape
-  kv, s_len = k.shape[2], k.shape[1]
-  g = h // kv
-  eye = jnp.eye(kv, dtype=q.dtype)
-  qg = q.reshape(b, kv, g, hd)
-  q_bd = jnp.einsum("bkgd,kj->bkdjg", qg, eye).reshape(b, kv * hd, h)
-  s = jnp.einsum("bsc,bch->bsh", k.reshape(b, s_len, kv * hd), q_bd,
-                 preferred_element_type=jnp.float32) * (1.0 / math.sqrt(hd))
-  s = jnp.where(mask[:, 0, :, None], s, jnp.finfo(jnp.float32).min)
-  p = jax.nn.softmax(s, axis=1).astype(v.dtype)                      # [B, S, H]
-  o = jnp.einsum("bsh,bsc->bhc", p, v.reshape(b, s_len, kv * hd),
-                 preferred_element_type=jnp.float32)                  # [B, H, KV*Dh]
-  o = jnp.einsum("bkgjd,kj->bkgd", o.reshape(b, kv, g, kv, hd), eye)
-  return o.reshape(b, 1, h, hd).astype(q.dtype)
 
 
 # --------------------------------------------------------------------------- module
@@ -355,9 +261,16 @@ class Layers(nnx.Module):
 
 
 class Transformer(nnx.Module):
-  """Causal decoder LM. `model(tokens i32[B, S]) -> logits f32[B, S, V]`."""
+  """Causal decoder LM. `model(tokens i32[B, S]) -> logits f32[B, S, V]`.
+
+  `cfg.backend` / `cfg.attention` "auto" are resolved here (`ModelConfig.resolve`)
+  and `self.cfg` holds the concrete choice: the code paths are fixed when the model
+  is built, not by the platform at trace time, so tests can run the accelerator
+  paths on CPU.
+  """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    cfg = cfg.resolve()
     self.cfg = cfg
     pd = jnp.dtype(cfg.param_dtype)
     self.embed = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), pd))
@@ -406,65 +319,94 @@ class Transformer(nnx.Module):
     cos, sin = rope_cos_sin(rope_inv_freq(cfg), positions, h.dtype)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-  def _mlp(self, p, x):
-    h = rms_norm(x, p["mlp_norm"], self.cfg.rms_norm_eps)
-    return x + dense(swiglu(dense(h, p["w_gate"]), dense(h, p["w_up"])), p["w_down"])
+  def block(self, p: dict, x: jax.Array, positions: jax.Array,
+            attention: Callable) -> tuple[jax.Array, object]:
+    """One decoder block (the only copy of its body; every forward path calls it).
 
-  def _attn_out(self, p, x, o):
+    Args:
+      p: one layer's {name: array} in the compute dtype.
+      x: [B, C, D] residual stream; positions: i32[B, C] RoPE positions.
+      attention: (q [B,C,H,Dh], k, v [B,C,KV,Dh]) -> (o [B,C,H,Dh], aux); the
+        cached paths write k/v into their cache there and return it as aux.
+    Returns:
+      (x [B, C, D], aux).
+    """
+    eps = self.cfg.rms_norm_eps
+    q, k, v = self._qkv(p, rms_norm(x, p["attn_norm"], eps), positions)
+    o, aux = attention(q, k, v)
     b, c = o.shape[:2]
-    return x + dense(o.reshape(b, c, -1), p["wo"])
+    x = x + dense(o.reshape(b, c, -1), p["wo"])
+    h = rms_norm(x, p["mlp_norm"], eps)
+    x = x + dense(swiglu(dense(h, p["w_gate"]), dense(h, p["w_up"])), p["w_down"])
+    return constrain_batch(x), aux
 
   def _maybe_remat(self, fn):
-    return jax.checkpoint(fn, prevent_cse=False) if self.cfg.remat == "full" else fn
+    """`model.remat`: none, full (recompute the block), dots (keep matmul outputs)."""
+    if self.cfg.remat == "full":
+      return jax.checkpoint(fn, prevent_cse=False)
+    if self.cfg.remat == "dots":
+      policy = jax.checkpoint_policies.save_only_these_names(DENSE_NAME)
+      return jax.checkpoint(fn, prevent_cse=False, policy=policy)
+    return fn
+
+  def loop_layers(self) -> bool:
+    """Python loop over per-layer weight slices instead of `lax.scan`?
+
+    Only for backend "cpu": XLA:CPU copies every dynamic slice of the stacked
+    weights / saved activations inside a scan (~13% of a CPU train step);
+    accelerators fuse them, and scan keeps compile time flat in depth there.
+    `scan_unroll` > 1 forces the scan.
+    """
+    return self.cfg.backend == "cpu" and self.cfg.scan_unroll == 1
+
+  def _train_attention(self, b: int, s: int, mask, segment_ids) -> Callable:
+    """The cache-free attention fn (q, k, v) -> o chosen by cfg.attention."""
+    cfg = self.cfg
+    if cfg.attention == "splash" and mask is None:
+      return functools.partial(attn.splash_causal, segment_ids=segment_ids,
+                               interpret=cfg.kernel_interpret)
+    blk = cfg.causal_block
+    if mask is None and segment_ids is None and 0 < blk < s:
+      return functools.partial(attn.attend_causal, block=blk)
+    if mask is None:
+      mask = attn.causal_mask(segment_ids, b, s)
+    return functools.partial(attn.attend, mask=mask)
 
   # ---- full (cache-free) forward ----------------------------------------
 
   def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
-             mask: jax.Array | None = None) -> jax.Array:
+             mask: jax.Array | None = None,
+             segment_ids: jax.Array | None = None) -> jax.Array:
     """Final-normed hidden states.
 
     Args:
       tokens: i32[B, S].
       positions: i32[B, S] RoPE positions; default 0..S-1.
-      mask: optional bool[B, S, S] attention mask; default causal (then computed
-        block-wise by `attend_causal` when S > cfg.causal_block > 0).
+      mask: optional bool[B, S, S] attention mask (always the XLA path); default
+        causal, computed by `cfg.attention`: splash kernel, or `attend_causal`
+        block-wise when S > cfg.causal_block > 0, or dense.
+      segment_ids: optional i32[B, S]; with the causal default, tokens attend only
+        within their segment (e.g. 0 on padding, 1 on real tokens).
     Returns:
       [B, S, D] in the compute dtype.
     """
     b, s = tokens.shape
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    blk = self.cfg.causal_block
-    if mask is None and 0 < blk < s:
-      attention = functools.partial(attend_causal, block=blk)
-    else:
-      if mask is None:
-        mask = jnp.broadcast_to(jnp.tril(jnp.ones((s, s), bool)), (b, s, s))
-      attention = functools.partial(attend, mask=mask)
+    attention = self._train_attention(b, s, mask, segment_ids)
     x = self.embed_tokens(tokens)
 
-    def block(x, p):
-      h = rms_norm(x, p["attn_norm"], self.cfg.rms_norm_eps)
-      q, k, v = self._qkv(p, h, positions)
-      x = self._attn_out(p, x, attention(q, k, v))
-      return constrain_batch(self._mlp(p, x)), None
+    def layer(x, p):
+      return self.block(p, x, positions, lambda q, k, v: (attention(q, k, v), None))
 
+    layer = self._maybe_remat(layer)
     if self.loop_layers():
       for p in self.layers.unstacked(self.dtype):
-        x, _ = self._maybe_remat(block)(x, p)
+        x, _ = layer(x, p)
     else:
-      x, _ = jax.lax.scan(self._maybe_remat(block), x, self.layers.stacked(self.dtype),
+      x, _ = jax.lax.scan(layer, x, self.layers.stacked(self.dtype),
                           unroll=self.cfg.scan_unroll)
     return rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
-
-  def loop_layers(self) -> bool:
-    """Python loop over per-layer weight slices instead of `lax.scan`?
-
-    XLA:CPU copies every dynamic slice of the stacked weights / saved activations
-    inside a scan (~13% of a CPU train step); accelerators fuse them, and scan keeps
-    compile time flat in depth there. `scan_unroll` > 1 forces the scan.
-    """
-    return jax.default_backend() == "cpu" and self.cfg.scan_unroll == 1
 
   def __call__(self, tokens: jax.Array,
                positions: jax.Array | None = None) -> jax.Array:
@@ -486,37 +428,60 @@ class Transformer(nnx.Module):
 
   def extend_hidden(self, cache: KVCache, tokens: jax.Array,
                     lengths: jax.Array) -> tuple[jax.Array, KVCache]:
-    """Like `extend` but returns final-normed hidden [B, C, D] instead of logits."""
+    """Like `extend` but returns final-normed hidden [B, C, D] instead of logits.
+
+    `lax.scan` over the stacked layers and the stacked cache (the program an
+    accelerator runs for prefill, decode and observation insertion). With backend
+    "accelerator" and `cfg.cache_block` > 0 attention reads only the filled cache
+    blocks (`attention.attend_cache_blocks`); otherwise the whole layer slab.
+    """
+    cfg = self.cfg
     s_max = cache.max_len
     lengths = lengths.astype(jnp.int32)
     positions, slots, rows, mask = self._extend_setup(cache.pos, s_max, tokens, lengths)
+    blocked = cfg.backend == "accelerator" and 0 < cfg.cache_block < s_max
+    n_blocks = (attn.cache_blocks_needed(positions, s_max, cfg.cache_block)
+                if blocked else None)
     x = self.embed_tokens(tokens)
 
-    def block(carry, xs):
+    def layer(carry, xs):
       x, ks, vs = carry
-      p, layer = xs
-      h = rms_norm(x, p["attn_norm"], self.cfg.rms_norm_eps)
-      q, k, v = self._qkv(p, h, positions)
-      # Scatter only the B*C new entries into the carried cache (in place), then
-      # read this layer's slab for attention.
-      ks = write_cache(ks, (layer, rows, slots), k)
-      vs = write_cache(vs, (layer, rows, slots), v)
-      kl, vl = ks[layer].astype(q.dtype), vs[layer].astype(q.dtype)
-      x = self._attn_out(p, x, attend(q, kl, vl, mask))
-      return (constrain_batch(self._mlp(p, x)), ks, vs), None
+      p, i = xs
 
-    xs = (self.layers.stacked(self.dtype), jnp.arange(self.cfg.num_layers))
-    (x, k, v), _ = jax.lax.scan(block, (x, cache.k, cache.v), xs,
-                                unroll=self.cfg.scan_unroll)
+      def attention(q, k, v):
+        # Scatter only the B*C new entries into the carried cache (in place), then
+        # read this layer's slab (or its filled blocks) for attention.
+        ks2 = write_cache(ks, (i, rows, slots), k)
+        vs2 = write_cache(vs, (i, rows, slots), v)
+        if blocked:
+          o = attn.attend_cache_blocks(q, ks2, vs2, positions, block=cfg.cache_block,
+                                       n_blocks=n_blocks, layer=i)
+        else:
+          o = self._slab_attention(q, ks2[i].astype(q.dtype), vs2[i].astype(q.dtype),
+                                   mask)
+        return o, (ks2, vs2)
+
+      x, (ks, vs) = self.block(p, x, positions, attention)
+      return (x, ks, vs), None
+
+    xs = (self.layers.stacked(self.dtype), jnp.arange(cfg.num_layers))
+    (x, k, v), _ = jax.lax.scan(layer, (x, cache.k, cache.v), xs,
+                                unroll=cfg.scan_unroll)
     new_pos = jnp.minimum(cache.pos + lengths, s_max)
-    x = rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
+    x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
     return x, KVCache(k, v, new_pos)
+
+  def _slab_attention(self, q, k, v, mask):
+    """Attention over a whole [B, S_max, KV, Dh] layer slab with mask [B, C, S_max]."""
+    if self.cfg.backend == "cpu" and q.shape[1] == 1 and k.shape[2] <= 4:
+      return attn.attend_one(q, k, v, mask)
+    return attn.attend(q, k, v, mask)
 
   def extend_hidden_unstacked(self, layer_params: list[dict], ks: tuple, vs: tuple,
                               pos: jax.Array, tokens: jax.Array, lengths: jax.Array):
     """`extend_hidden` on per-layer weights and cache buffers (Python layer loop).
 
-    For decode loops on XLA:CPU, which copies every dynamic slice of a stacked
+    The backend "cpu" decode loop: XLA:CPU copies every dynamic slice of a stacked
     [L, ...] weight or cache before using it (2x slower steps). The caller unstacks
     once outside its `while_loop` (see `sampler.decode`).
 
@@ -535,14 +500,15 @@ class Transformer(nnx.Module):
     x = self.embed_tokens(tokens)
     ks, vs = list(ks), list(vs)
     for i, p in enumerate(layer_params):
-      h = rms_norm(x, p["attn_norm"], self.cfg.rms_norm_eps)
-      q, k, v = self._qkv(p, h, positions)
-      # k/v are rounded to the model dtype first, so a wider (f32) buffer holds
-      # exactly the values a model-dtype cache would.
-      ks[i] = write_cache(ks[i], (rows, slots), k.astype(self.dtype))
-      vs[i] = write_cache(vs[i], (rows, slots), v.astype(self.dtype))
-      o = attend(q, ks[i], vs[i], mask)
-      x = constrain_batch(self._mlp(p, self._attn_out(p, x, o)))
+
+      def attention(q, k, v, i=i):
+        # k/v are rounded to the model dtype first, so a wider (f32) buffer holds
+        # exactly the values a model-dtype cache would.
+        ks[i] = write_cache(ks[i], (rows, slots), k.astype(self.dtype))
+        vs[i] = write_cache(vs[i], (rows, slots), v.astype(self.dtype))
+        return self._slab_attention(q, ks[i], vs[i], mask), None
+
+      x, _ = self.block(p, x, positions, attention)
     x = rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
     return x, tuple(ks), tuple(vs), jnp.minimum(pos + lengths, s_max)
 
