@@ -159,3 +159,16 @@ def test_clear_errors(pair, tmp_path):
   bad = _edit_config(path, tmp_path / "missing", num_hidden_layers=3)
   with pytest.raises(hf.HFImportError, match=r"model\.layers\.2\..*missing"):
     from_hf(bad)
+
+
+def test_from_hf_accepts_jnp_dtypes_and_a_model_config(pair):
+  import jax.numpy as jnp
+  name, path, hf_model = pair
+  model, cfg = from_hf(path, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+  assert (cfg.dtype, cfg.param_dtype) == ("bfloat16", "float32")
+  assert model.embed[...].dtype == jnp.float32
+  same, cfg2 = from_hf(path, config=cfg.replace(remat="full"), backend="accelerator")
+  assert (cfg2.remat, cfg2.backend, same.cfg.backend) == ("full", "accelerator",
+                                                          "accelerator")
+  toks = _tokens()
+  np.testing.assert_allclose(model(toks), same(toks), atol=BF16_TOL)  # bf16, 2 paths
