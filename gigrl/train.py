@@ -2,19 +2,27 @@ r"""``gigrl-train``: supervised warm-start, then RL of a Search-R1 agent.
 
 Usage::
 
-  gigrl-train --config configs/smoke.py --workdir /tmp/run --config.train.num_steps=3
+  gigrl-train --config configs/smoke.py --workdir runs/smoke [--config.<section>.<field>=value ...]
+
+  e.g. --config.train.num_steps=3 --config.advantage.outcome=stratified
 
 Rerunning the same command with the same workdir resumes from the latest complete checkpoint.
-SIGTERM (TPU preemption) writes a checkpoint and exits cleanly.
+SIGTERM (TPU preemption) and Ctrl-C write a checkpoint and exit cleanly.
 
 Per RL step (the data flow of docs/architecture.md):
   pool.sample -> rollout (policy + search) -> reward (EM) -> pool.update
   -> advantages (outcome ⊕ step ⊕ reweight) -> loss (PPO-clip + KL) -> AdamW update.
+
+Errors a user can cause (a bad flag or config field, a missing or empty data file, a workdir
+that cannot be written, a retrieval server that is down) are checked at start-up where they
+can be and end the run with one line, ``gigrl-train: error: ...``, and exit status 2.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
+import uuid
 
 from absl import app
 from absl import flags
@@ -22,36 +30,219 @@ from absl import logging
 from ml_collections import config_flags
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).",
-                                lock_config=True)
-flags.DEFINE_string("workdir", None, "Output/resume directory.")
+config_flags.DEFINE_config_file(
+    "config", None, "Config file (e.g. configs/smoke.py); override any field with "
+    "--config.<section>.<field>=value.", lock_config=True)
+flags.DEFINE_string("workdir", None, "Output and resume directory (created if missing).")
+
+PROG = "gigrl-train"
+SECTIONS = ("data", "model", "rollout", "search", "advantage", "loss", "train", "checkpoint")
+_HELP_FLAGS = ("-h", "-help", "--help", "--helpshort", "-?")
 
 
-def main(argv) -> None:
+class UsageError(Exception):
+  """A bad command line (flags, --config file, --workdir)."""
+
+
+def usage() -> str:
+  """The text of ``gigrl-train --help``: usage, this module's flags, config sections."""
+  flag_help = FLAGS.module_help(__name__) if __name__ in FLAGS.flags_by_module_dict() else ""
+  return "\n".join([
+      (__doc__ or "").strip().replace("``", ""), "", "Flags:", flag_help.strip(), "",
+      "Config sections (each field settable as --config.<section>.<field>=value): "
+      + ", ".join(SECTIONS) + ", and seed.",
+      "Print a config's fields and values: python -c \"import runpy; "
+      "print(runpy.run_path('configs/smoke.py')['get_config']())\"",
+      "All absl flags (logging, ...): --helpfull", ""])
+
+
+def fail(message: str, status: int = 2) -> None:
+  """Prints ``gigrl-train: error: <message>`` as one line on stderr and exits."""
+  one_line = " | ".join(part.strip() for part in str(message).splitlines() if part.strip())
+  print(f"{PROG}: error: {one_line}", file=sys.stderr, flush=True)
+  sys.exit(status)
+
+
+# ----------------------------------------------------------------------------- flags
+def _flag_value(argv: list[str], name: str) -> str | None:
+  """The value of ``--name=v`` / ``--name v`` in argv (last one wins), else None."""
+  value = None
+  for i, arg in enumerate(argv):
+    for prefix in (f"--{name}", f"-{name}"):
+      if arg.startswith(prefix + "="):
+        value = arg[len(prefix) + 1:]
+      elif arg == prefix and i + 1 < len(argv):
+        value = argv[i + 1]
+  return value
+
+
+def _config_file(spec: str) -> str:
+  """``path[:arg]`` -> path (ml_collections passes ``arg`` to ``get_config``)."""
+  return spec if os.path.isfile(spec) or ":" not in spec else spec.rsplit(":", 1)[0]
+
+
+def _load_user_config(spec: str):
+  """Loads ``path[:arg]``'s ``get_config`` (only to name fields in an error message)."""
+  path = _config_file(spec)
+  arg = spec[len(path) + 1:] or None
+  module_spec = importlib.util.spec_from_file_location("_gigrl_user_config", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg) if arg is not None else module.get_config()
+
+
+def _unknown_field_message(argv: list[str], spec: str, err: Exception) -> str:
+  """Names the ``--config.<path>`` override that has no field, and the fields it could be."""
+  key = str(err).strip("'\" ")
+  for arg in argv:
+    if not arg.startswith("--config."):
+      continue
+    path = arg[len("--config."):].split("=", 1)[0]
+    parts = path.split(".")
+    if key not in parts:
+      continue
+    parent = ".".join(parts[:parts.index(key)])
+    msg = f"--config.{path}: the config has no field '{path}'"
+    try:
+      node = _load_user_config(spec)
+      for part in parent.split(".") if parent else ():
+        node = node[part]
+      msg += f"; the fields of {parent or 'the config'} are {', '.join(sorted(node.keys()))}"
+    except Exception:  # pylint: disable=broad-except
+      pass            # the message already names the field
+    return msg
+  return f"the config has no field {key!r} (set by a --config.<section>.<field> flag)"
+
+
+def _config_load_message(spec: str, err: BaseException) -> str:
+  """One line for a config file that failed to load: the file, line and error."""
+  root = err
+  while root.__cause__ is not None:
+    root = root.__cause__
+  path = os.path.abspath(_config_file(spec))
+  where = spec
+  if isinstance(root, SyntaxError):
+    where = f"{spec}:{root.lineno}"
+  else:
+    tb = root.__traceback__
+    while tb is not None:
+      if os.path.abspath(tb.tb_frame.f_code.co_filename) == path:
+        where = f"{spec}:{tb.tb_lineno}"
+      tb = tb.tb_next
+  text = root.msg if isinstance(root, SyntaxError) else str(root)
+  return f"--config {where}: the config file failed to load: {type(root).__name__}: {text}"
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl flag parsing with one-line errors (``app.run``'s ``flags_parser``).
+
+  Handles ``--help`` (prints :func:`usage`), a missing or unloadable ``--config`` file, an
+  override naming no config field, and a bad flag value.
+  """
+  if any(arg in _HELP_FLAGS for arg in argv[1:]):
+    print(usage())
+    sys.exit(0)
+  try:
+    spec = _flag_value(argv, "config")
+    if not spec:
+      raise UsageError("--config is required, e.g. --config configs/smoke.py (see --help)")
+    if not os.path.isfile(_config_file(spec)):
+      raise UsageError(f"--config {spec}: no such file")
+    try:
+      rest = FLAGS(argv)
+    except flags.Error as e:                  # unknown flag, bad value for a field's type
+      raise UsageError(f"{e} (see --help)") from None
+    except (AttributeError, KeyError) as e:   # --config.<path> naming no field
+      raise UsageError(_unknown_field_message(argv, spec, e)) from None
+    except Exception as e:  # pylint: disable=broad-except  # the config file's own code
+      raise UsageError(_config_load_message(spec, e)) from None
+    try:
+      FLAGS.config.keys()                     # a file that failed to load fails here
+    except Exception as e:  # pylint: disable=broad-except
+      raise UsageError(_config_load_message(spec, e)) from None
+  except UsageError as e:
+    fail(str(e))
+  return rest
+
+
+# --------------------------------------------------------------------------- start-up
+def check_writable_dir(path: str, what: str) -> None:
+  """Creates ``path`` if needed and checks a file can be written in it (local paths).
+
+  Raises:
+    UsageError: naming ``what`` (e.g. ``--workdir``), the path and the OS error.
+  """
+  if "://" in path:          # gs://... (pods): created and checked by its writers
+    return
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise UsageError(f"{what} {path}: exists and is not a directory")
+  try:
+    os.makedirs(path, exist_ok=True)
+    probe = os.path.join(path, f".gigrl-write-test-{uuid.uuid4().hex}")
+    with open(probe, "w", encoding="utf-8"):
+      pass
+    os.remove(probe)
+  except OSError as e:
+    raise UsageError(f"{what} {path}: cannot write there ({e.strerror or e})") from None
+
+
+def _cause_of_type(err: BaseException, types: tuple[type, ...]) -> BaseException | None:
+  """The first exception of ``types`` in ``err``'s ``__cause__`` / ``__context__`` chain."""
+  seen = set()
+  while err is not None and id(err) not in seen:
+    if isinstance(err, types):
+      return err
+    seen.add(id(err))
+    err = err.__cause__ or err.__context__
+  return None
+
+
+def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if FLAGS.config is None:
-    raise app.UsageError("--config is required, e.g. --config configs/smoke.py")
+    fail(f"unexpected arguments: {' '.join(argv[1:])} (config fields are set with "
+         "--config.<section>.<field>=value; see --help)")
   if not FLAGS.workdir:
-    raise app.UsageError("--workdir is required")
+    fail("--workdir is required, e.g. --workdir runs/smoke (see --help)")
   logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
   if os.environ.get("GIGRL_DISTRIBUTED"):  # multi-host TPU pods (launch/tpu_pod.sh)
     import jax  # pylint: disable=g-import-not-at-top
     jax.distributed.initialize()
-  from gigrl import config as config_lib  # pylint: disable=g-import-not-at-top
-  from gigrl.config_utils import ConfigError  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from gigrl import config as config_lib
+  from gigrl.config_utils import UserError
+  from gigrl.search.base import SearchError
+  # pylint: enable=g-import-not-at-top
+  cfg = FLAGS.config
   try:
-    config_lib.validate(FLAGS.config)
-  except ConfigError as e:
-    print(f"gigrl-train: {e}", file=sys.stderr)
-    sys.exit(2)
-  from gigrl import trainer  # pylint: disable=g-import-not-at-top
-  trainer.Trainer(FLAGS.config, FLAGS.workdir).run()
+    check_writable_dir(FLAGS.workdir, "--workdir")
+    config_lib.validate(cfg)
+    if cfg.data.tfds_dir:
+      check_writable_dir(cfg.data.tfds_dir, "data.tfds_dir")
+    if cfg.search.backend == "http":         # a server that is down: stop before the build
+      from gigrl import search  # pylint: disable=g-import-not-at-top
+      search.make_retriever(cfg.search)      # health check (the trainer builds its own)
+    # pylint: disable=g-import-not-at-top
+    from gigrl import checkpoint as ckpt_lib
+    from gigrl import trainer
+    # pylint: enable=g-import-not-at-top
+    try:
+      trainer.Trainer(cfg, FLAGS.workdir).run()
+    except (ckpt_lib.CheckpointError, trainer.NonFiniteError) as e:
+      fail(str(e), status=1)                 # the run failed; the message says what to do
+    except Exception as e:  # pylint: disable=broad-except
+      cause = _cause_of_type(e, (UserError, SearchError))
+      if cause is None:
+        raise
+      fail(str(cause))   # e.g. the callback engine's CallbackRolloutError from a SearchError
+  except (UsageError, UserError, SearchError) as e:
+    fail(str(e))
+  except KeyboardInterrupt:                  # before the trainer's own Ctrl-C handling
+    fail("interrupted", status=130)
 
 
 def run() -> None:
   """Console entry point (``gigrl-train``)."""
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":
