@@ -178,11 +178,23 @@ class CallbackEngine:
     self._runs: dict[int, _RunState] = {}
     self._run_ids = itertools.count()
     self._registry_lock = threading.Lock()
-    b = self._batch_spec
-    self._program = jax.jit(jax.shard_map(
-        self._shard_program, mesh=self.mesh,
-        in_specs=(P(), b, b, b, b, P(), P()), out_specs=(b, b),
-        check_vma=False))
+    self._programs: dict = {}       # PRNG key implementation -> jitted program
+
+  def _program(self, key_impl):
+    """The jitted per-shard program for keys of ``key_impl`` (None: raw uint32 keys). The key
+    enters as its raw data, which can be put on several processes' devices."""
+    if key_impl not in self._programs:
+      b = self._batch_spec
+
+      def program(params, prompts, prompt_lens, row_ids, live, key_data, run_id):
+        key = key_data if key_impl is None else jax.random.wrap_key_data(key_data,
+                                                                          impl=key_impl)
+        return self._shard_program(params, prompts, prompt_lens, row_ids, live, key, run_id)
+
+      self._programs[key_impl] = jax.jit(jax.shard_map(
+          program, mesh=self.mesh, in_specs=(P(), b, b, b, b, P(), P()), out_specs=(b, b),
+          check_vma=False))
+    return self._programs[key_impl]
 
   @property
   def num_shards(self) -> int:
@@ -232,10 +244,13 @@ class CallbackEngine:
     run_id, run = self._register(records)
     try:
       t0 = time.perf_counter()
-      args = self._place(params, toks, lens, np.arange(b_pad, dtype=np.int32), live, key,
+      typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+      key_impl = jax.random.key_impl(key) if typed else None
+      key_data = np.asarray(jax.random.key_data(key) if typed else key)
+      args = self._place(params, toks, lens, np.arange(b_pad, dtype=np.int32), live, key_data,
                          np.int32(run_id))
       with jax.set_mesh(self.mesh):   # shard_map wants its mesh to be the ambient one
-        lengths, steps = self._program(*args)
+        lengths, steps = self._program(key_impl)(*args)
       lengths, steps = turns.local_rows(lengths), turns.local_rows(steps)
       total = time.perf_counter() - t0
     finally:
@@ -267,12 +282,15 @@ class CallbackEngine:
     repl = NamedSharding(self.mesh, P())
     rows = NamedSharding(self.mesh, self._batch_spec)
     params = jax.device_put(params, repl)
-    per_row, scalars = args[:4], args[4:]
+    per_row, same = args[:4], args[4:]
     if jax.process_count() > 1:
       per_row = tuple(turns.global_rows(a, rows) for a in per_row)
+      # host values equal on every process -> replicated global arrays
+      same = tuple(jax.make_array_from_process_local_data(repl, np.asarray(a)) for a in same)
     else:
       per_row = tuple(jax.device_put(a, rows) for a in per_row)
-    return (params,) + per_row + tuple(jax.device_put(a, repl) for a in scalars)
+      same = tuple(jax.device_put(a, repl) for a in same)
+    return (params,) + per_row + same
 
   # ------------------------------------------------------------------ host side
 
