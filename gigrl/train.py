@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 import uuid
 
@@ -46,7 +47,10 @@ class UsageError(Exception):
 
 def usage() -> str:
   """The text of ``gigrl-train --help``: usage, this module's flags, config sections."""
-  flag_help = FLAGS.module_help(__name__) if __name__ in FLAGS.flags_by_module_dict() else ""
+  # The module that defined --workdir: 'gigrl.train', or the script path under `python -m`.
+  module = next((m for m, fl in FLAGS.flags_by_module_dict().items()
+                 if any(f.name == "workdir" for f in fl)), None)
+  flag_help = FLAGS.module_help(module) if module else ""
   return "\n".join([
       (__doc__ or "").strip().replace("``", ""), "", "Flags:", flag_help.strip(), "",
       "Config sections (each field settable as --config.<section>.<field>=value): "
@@ -93,7 +97,11 @@ def _load_user_config(spec: str):
 
 def _unknown_field_message(argv: list[str], spec: str, err: Exception) -> str:
   """Names the ``--config.<path>`` override that has no field, and the fields it could be."""
-  key = str(err).strip("'\" ")
+  text = str(err.args[0]) if err.args else str(err)
+  found = re.search(r"['\"]([\w-]+)['\"]", text)
+  key = found.group(1) if found else text.strip("'\" ")
+  hint = re.search(r"Did you mean [^?]*\?", text)
+  hint = f" ({hint.group(0)})" if hint else ""
   for arg in argv:
     if not arg.startswith("--config."):
       continue
@@ -102,7 +110,7 @@ def _unknown_field_message(argv: list[str], spec: str, err: Exception) -> str:
     if key not in parts:
       continue
     parent = ".".join(parts[:parts.index(key)])
-    msg = f"--config.{path}: the config has no field '{path}'"
+    msg = f"--config.{path}: the config has no field '{path}'{hint}"
     try:
       node = _load_user_config(spec)
       for part in parent.split(".") if parent else ():
@@ -111,7 +119,20 @@ def _unknown_field_message(argv: list[str], spec: str, err: Exception) -> str:
     except Exception:  # pylint: disable=broad-except
       pass            # the message already names the field
     return msg
-  return f"the config has no field {key!r} (set by a --config.<section>.<field> flag)"
+  return f"the config has no field {key!r}{hint} (set by a --config.<section>.<field> flag)"
+
+
+def _raised_in(err: BaseException, path: str) -> bool:
+  """True if ``err`` (or an exception it was raised from) passed through file ``path``."""
+  path = os.path.abspath(path)
+  while err is not None:
+    tb = err.__traceback__
+    while tb is not None:
+      if os.path.abspath(tb.tb_frame.f_code.co_filename) == path:
+        return True
+      tb = tb.tb_next
+    err = err.__cause__ or err.__context__
+  return False
 
 
 def _config_load_message(spec: str, err: BaseException) -> str:
@@ -152,10 +173,10 @@ def parse_flags(argv: list[str]) -> list[str]:
       rest = FLAGS(argv)
     except flags.Error as e:                  # unknown flag, bad value for a field's type
       raise UsageError(f"{e} (see --help)") from None
-    except (AttributeError, KeyError) as e:   # --config.<path> naming no field
-      raise UsageError(_unknown_field_message(argv, spec, e)) from None
-    except Exception as e:  # pylint: disable=broad-except  # the config file's own code
-      raise UsageError(_config_load_message(spec, e)) from None
+    except Exception as e:  # pylint: disable=broad-except
+      if isinstance(e, (AttributeError, KeyError)) and not _raised_in(e, _config_file(spec)):
+        raise UsageError(_unknown_field_message(argv, spec, e)) from None  # --config.<path>
+      raise UsageError(_config_load_message(spec, e)) from None  # the config file's own code
     try:
       FLAGS.config.keys()                     # a file that failed to load fails here
     except Exception as e:  # pylint: disable=broad-except
