@@ -12,6 +12,7 @@ order (lower index first), so results are deterministic.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Sequence
 
@@ -22,6 +23,8 @@ from gigrl.data import qa
 from gigrl.search.base import BaseRetriever, Passage, check_topk
 
 _STOPWORDS = "en"
+# bm25s sets its logger to DEBUG, so "Building index from tokens" reaches the console.
+logging.getLogger("bm25s").setLevel(logging.WARNING)
 
 
 def tokenize(texts: Sequence[str]) -> list[list[str]]:
