@@ -91,3 +91,24 @@ def test_tfds_build_reports_bad_row(tmp_path):
                                         '{"question": "no answers"}'])
   with pytest.raises(qa.DataError, match=r"bad.jsonl:2: field 'golden_answers'"):
     tfds_qa.build(str(tmp_path / "tfds"), [path])
+
+
+@pytest.mark.parametrize("loader,what", [(qa.load_questions, "no questions"),
+                                         (qa.load_corpus, "no passages")])
+def test_a_file_without_rows_names_the_file(tmp_path, loader, what):
+  path = _write(tmp_path, "blank.jsonl", ["", "   "])
+  with pytest.raises(qa.DataError) as e:
+    loader(path)
+  assert str(e.value).startswith(f"{path}: {what}")
+  assert (e.value.path, e.value.line, e.value.field) == (path, 0, "<file>")
+
+
+def test_bundled_sets_table():
+  assert qa.BUNDLED_QUESTION_FILES == tuple(s.questions for s in qa.BUNDLED_SETS)
+  assert [c for c, _ in qa.BUNDLED_CORPUS_FILES] == sorted(
+      {s.corpus for s in qa.BUNDLED_SETS}, key=[s.corpus for s in qa.BUNDLED_SETS].index)
+  assert qa.EVAL_ONLY_SOURCES == ("bamboogle",)
+  assert set(qa.TRAIN_SOURCES) >= {"hotpotqa", "2wikimultihopqa", "musique", "iirc"}
+  with pytest.raises(qa.ConfigError, match="unknown: nosuchset") as e:
+    qa.check_train_sources("hotpotqa,nosuchset")
+  assert e.value.field == "data.train_sources"
