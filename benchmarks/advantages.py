@@ -15,11 +15,25 @@ then times:
 
 It prints the median wall time of each and the ratio numpy / gigrl. Targets:
 GiGPO <= 5 ms at 128x8x10 and <= 100 ms at 1024x16x30 on a 2-core CPU.
+
+A second table times GiGPO from verl-agent's flat step rows
+(``gigrl.advantages.verl.gigpo_row_advantages``, what a verl-agent user calls):
+uuid-string ``index`` / ``traj_index``, every trajectory running all T steps,
+the reward at the last valid token of each row, response length 256, and a
+fresh ~240-character string observation per row (exact grouping; new string
+objects every run, so their hashes are computed inside the timed call, as in a
+real step). It is compared with verl-agent's own ``compute_gigpo_outcome_
+advantage`` as timed on this machine by issue #12's harness (200 ms at
+128x8x10, 14.4 s at 1024x16x30; verl-agent is not a dependency here), next to
+the floors of the stages no implementation can skip: summing the [N, L] token
+rewards, writing the [N, L] token advantages, hashing the strings.
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import time
+import uuid
 
 import jax
 import numpy as np
@@ -27,6 +41,7 @@ from _timing import timed_runs
 
 from gigrl import advantages as adv_api
 from gigrl.advantages import anchors
+from gigrl.advantages import verl
 
 SIZES = ((16, 8, 5), (128, 8, 10), (512, 8, 20), (1024, 16, 30))
 OBS_LEN = 16          # tokens per anchor fingerprint
@@ -185,13 +200,98 @@ def numpy_runner(name, b):
                                        np_hadw(b, state))}[name]
 
 
+# ----------------------------------------------------- verl-agent flat rows
+VERL_SIZES = ((128, 8, 10), (1024, 16, 30))
+VERL_AGENT_MS = {(128, 8, 10): 200.0, (1024, 16, 30): 14400.0}   # issue #12
+RESPONSE_LEN, OBS_CHARS, OBS_PER_PROMPT = 256, 240, 8
+
+
+def make_rows(p, g, t, seed=0):
+  """verl-agent's flat step rows (trajectory-major, uuid uids)."""
+  rng = np.random.default_rng(seed)
+  n = p * g * t
+  prompt_uid = [str(uuid.uuid4()) for _ in range(p)]
+  traj_uid = [str(uuid.uuid4()) for _ in range(p * g)]
+  index = np.array(prompt_uid, object).repeat(g * t)
+  traj_index = np.array(traj_uid, object).repeat(t)
+  words = rng.integers(0, 10**5, (p, OBS_PER_PROMPT, OBS_CHARS // 6))
+  texts = [[" ".join(f"w{w:05d}" for w in doc)[:OBS_CHARS] for doc in docs]
+           for docs in words]
+  which = rng.integers(0, OBS_PER_PROMPT, n)
+  which[::t] = 0                                    # step 0: the question
+  lengths = rng.integers(1, RESPONSE_LEN + 1, n)
+  mask = (np.arange(RESPONSE_LEN) < lengths[:, None]).astype(np.float32)
+  reward = (rng.random(p * g) < 0.5).astype(np.float32).repeat(t)
+  tlr = np.zeros((n, RESPONSE_LEN), np.float32)
+  tlr[np.arange(n), lengths - 1] = reward
+  step_rewards = (reward * 0.95 ** (t - 1 - np.arange(n) % t)).astype(
+      np.float32)
+  rows_prompt = np.arange(n) // (g * t)
+  return dict(tlr=tlr, mask=mask, index=index, traj_index=traj_index,
+              step_rewards=step_rewards,
+              texts=[texts[q][w] for q, w in zip(rows_prompt, which)])
+
+
+def fresh(texts):
+  """New string objects (uncached hashes), as a real step's observations."""
+  return np.array([s[:-1] + s[-1] for s in texts], object)
+
+
+def timed_fresh(fn, texts, reps):
+  """Median wall and CPU ms of fn(fresh observations), fresh copies untimed."""
+  wall, cpu = [], []
+  for _ in range(reps):
+    obs = fresh(texts)
+    t0, c0 = time.perf_counter(), time.process_time()
+    fn(obs)
+    wall.append(time.perf_counter() - t0)
+    cpu.append(time.process_time() - c0)
+  return float(np.median(wall)) * 1e3, float(np.median(cpu)) * 1e3
+
+
+def verl_rows_table(sizes, reps):
+  print("\nGiGPO from verl-agent's flat step rows (uuid uids, L = 256, "
+        "fresh 240-char string anchors, exact grouping); median ms")
+  header = (f"{'P x G x T':>12}{'rows':>8}{'gigrl wall':>12}{'gigrl cpu':>11}"
+            f"{'verl-agent':>12}{'ratio':>8}{'target':>9}"
+            f" | floors: {'sum':>6}{'write':>7}{'hash':>7}")
+  print(header)
+  print("-" * len(header))
+  for p, g, t in sizes:
+    b = make_rows(p, g, t)
+    n = p * g * t
+    run = lambda obs: verl.gigpo_row_advantages(
+        b["tlr"], b["step_rewards"], b["mask"], obs, b["index"],
+        b["traj_index"], mode="mean_std_norm", step_advantage_w=1.0)
+    run(fresh(b["texts"][:]))                        # compile
+    r = max(3, reps if n < 10**5 else 3)
+    wall, cpu = timed_fresh(run, b["texts"], r)
+    row = b["step_rewards"]
+    floor = lambda fn: float(np.median(timed_runs(fn, r)[0])) * 1e3
+    sum_ms = floor(lambda: np.einsum("ij->i", b["tlr"]))
+    write_ms = floor(lambda: np.multiply(row[:, None], b["mask"]))
+    hash_ms = timed_fresh(lambda obs: dict.fromkeys(obs.tolist()),
+                          b["texts"], r)[0]
+    ref = VERL_AGENT_MS[(p, g, t)]
+    want = 50 if n < 10**5 else 100
+    print(f"{f'{p}x{g}x{t}':>12}{n:>8}{wall:>12.1f}{cpu:>11.1f}{ref:>12.0f}"
+          f"{ref / wall:>7.0f}x{f'>={want}x':>9} | {'':>8}{sum_ms:>6.1f}"
+          f"{write_ms:>7.1f}{hash_ms:>7.1f}")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
                       help="only the two smallest sizes, fewer repetitions")
   parser.add_argument("--reps", type=int, default=None,
                       help="timed repetitions of the jitted call")
+  parser.add_argument("--verl-rows-only", action="store_true",
+                      help="only the verl-agent flat-row table")
   args = parser.parse_args()
+  if args.verl_rows_only:
+    verl_rows_table(VERL_SIZES[:1] if args.quick else VERL_SIZES,
+                    args.reps or (5 if args.quick else 15))
+    return
   sizes = SIZES[:2] if args.quick else SIZES
   reps = args.reps or (5 if args.quick else 15)
   names = ("grpo", "stratified", "gigpo", "gigpo (kernel)", "grpo+hadw",
@@ -214,6 +314,7 @@ def main():
                                                          b["obs_len"]), reps)
   print(f"(host anchor hashing alone at {p}x{g}x{t}: {hash_ms:.1f} ms, "
         "included in the gigpo rows)")
+  verl_rows_table(VERL_SIZES[:1] if args.quick else VERL_SIZES, reps)
 
 
 if __name__ == "__main__":

@@ -233,6 +233,13 @@ def test_torch_in_torch_out_like_verl_agent():
                         b["index"], eps=1e-6, w=1.0, mode="mean_std_norm",
                         sim=False, thr=0.95)
   close(adv.numpy(), want, "torch advantages")
+  for mask in (torch.from_numpy(b["mask"]).long(),
+               torch.from_numpy(b["mask"]).bool()):
+    adv2, _ = verl.compute_gigpo_outcome_advantage(
+        torch.from_numpy(b["tlr"]).double(), step_r, mask, b["obs"],
+        b["index"], b["traj"], mode="mean_std_norm")
+    assert adv2.dtype == torch.float32
+    close(adv2.numpy(), want, f"{mask.dtype} mask, f64 rewards")
 
 
 def test_row_layout():

@@ -117,6 +117,28 @@ def factorize(values: Any) -> tuple[np.ndarray, int, np.ndarray]:
   return np.repeat(run_codes, lengths), len(table), starts
 
 
+def first_rows(codes: np.ndarray, n_codes: int, *,
+               first_appearance: bool = False) -> np.ndarray:
+  """int64[n_codes] index of the first element with each code.
+
+  Args:
+    codes: int64[N] codes in ``[0, n_codes)``, each present at least once.
+    n_codes: number of codes.
+    first_appearance: the codes are numbered in order of first appearance
+      (as :func:`factorize` returns them): then no scatter-min is needed.
+  """
+  n = len(codes)
+  if not first_appearance:
+    first = np.full(n_codes, n, np.int64)
+    np.minimum.at(first, codes, np.arange(n, dtype=np.int64))
+    return first
+  new = np.ones(n, bool)
+  new[1:] = codes[1:] > np.maximum.accumulate(codes)[:-1]
+  first = np.empty(n_codes, np.int64)
+  first[codes[new]] = np.flatnonzero(new)
+  return first
+
+
 def _ranks(codes: np.ndarray, n_codes: int, starts: np.ndarray | None = None
            ) -> np.ndarray:
   """Position of each element among the elements with the same code."""
@@ -159,8 +181,7 @@ def row_layout(index: Any, traj_index: Any | None = None) -> RowLayout:
     if len(traj_index) != n:
       raise ValueError(f"traj_index has {len(traj_index)} rows, index {n}")
     tcode, n_traj, t_starts = factorize(traj_index)
-    owner = np.empty(n_traj, np.int64)
-    owner[tcode[::-1]] = prompt[::-1]            # prompt of each first row
+    owner = prompt[first_rows(tcode, n_traj, first_appearance=True)]
     if not np.array_equal(owner[tcode], prompt):
       bad = int(np.flatnonzero(owner[tcode] != prompt)[0])
       raise ValueError(f"row {bad}: trajectory {traj_index[bad]!r} appears "
@@ -189,17 +210,32 @@ def _from_grid(layout: RowLayout, grid: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------ anchors
-def _object_codes(anchor_obs: Any) -> np.ndarray:
-  """Global dense codes of the anchor observations (exact, verl-agent keys)."""
+def _last_rows(anchor_obs: Any) -> np.ndarray:
+  """int64[N]: the last row with an equal observation (verl-agent keys).
+
+  ``dict(zip(keys, range(n)))`` runs in C and keeps each key's last row; the
+  second lookup pass reuses the strings' cached hashes.
+  """
   keys = anchor_obs.tolist() if isinstance(anchor_obs, np.ndarray) else list(
       anchor_obs)
   try:
-    uniq = dict.fromkeys(keys)
+    last = dict(zip(keys, range(len(keys))))
   except TypeError:                # arrays / lists: verl-agent to_hashable
     keys = [anchors_lib.to_hashable(k) for k in keys]
-    uniq = dict.fromkeys(keys)
-  table = dict(zip(uniq, range(len(uniq))))
-  return np.fromiter(map(table.__getitem__, keys), np.int64, len(keys))
+    last = dict(zip(keys, range(len(keys))))
+  return np.fromiter(map(last.__getitem__, keys), np.int64, len(keys))
+
+
+def _int_ids(anchor_obs: Any) -> np.ndarray | None:
+  """int64[N] when the observations are integer ids, else None."""
+  if hasattr(anchor_obs, "detach") or isinstance(anchor_obs, np.ndarray):
+    arr = _numpy(anchor_obs)
+    return arr.astype(np.int64) if arr.ndim == 1 and arr.dtype.kind in "iu" \
+        else None
+  if len(anchor_obs) and all(isinstance(x, (int, np.integer)) and
+                             not isinstance(x, bool) for x in anchor_obs):
+    return np.asarray(anchor_obs, np.int64)
+  return None
 
 
 def step_group_ids(anchor_obs: Any, layout: RowLayout, *,
@@ -218,8 +254,9 @@ def step_group_ids(anchor_obs: Any, layout: RowLayout, *,
     similarity_thresh: ``SequenceMatcher.ratio()`` threshold, in (0, 1).
 
   Returns:
-    int32[N] ids in ``[0, rows of the prompt)``, equal iff same group; in
-    first-appearance order with similarity, in key order otherwise.
+    int32[N] ids in ``[0, G * T)``, equal within a prompt iff same group
+    (dense cluster numbers with similarity; otherwise the padded in-prompt
+    position of one row of the group).
 
   Raises:
     ValueError: wrong length, or threshold not in (0, 1).
@@ -240,18 +277,24 @@ def step_group_ids(anchor_obs: Any, layout: RowLayout, *,
       ids[rows] = anchors_lib.similarity_clusters([obs[i] for i in rows],
                                                   similarity_thresh)
     return ids
-  arr = np.asarray(anchor_obs) if not isinstance(anchor_obs, np.ndarray) \
-      else anchor_obs
-  if arr.ndim == 1 and arr.dtype.kind in "iub":
-    codes = arr.astype(np.int64)
+  arr = _int_ids(anchor_obs)
+  # A row's id is the in-prompt position of a representative row with the
+  # same observation in the same prompt: its last row overall, unless that
+  # lies in another prompt (an observation recurring across prompts); only
+  # those rows are then sorted, to their prompt's first row.
+  if arr is None:
+    rep = _last_rows(anchor_obs)
   else:
-    codes = _object_codes(anchor_obs)
-  codes = codes - codes.min(initial=0)
-  key = layout.prompt * (int(codes.max(initial=0)) + 1) + codes
-  uniq, inv = np.unique(key, return_inverse=True)
-  first = np.searchsorted(uniq // (int(codes.max(initial=0)) + 1),
-                          np.arange(p_n))
-  return (inv.reshape(-1) - first[layout.prompt]).astype(np.int32)
+    uniq, codes = np.unique(arr, return_inverse=True)
+    codes = codes.reshape(-1)
+    rep = first_rows(codes, len(uniq))[codes]
+  shared = np.flatnonzero(layout.prompt[rep] != layout.prompt)
+  if shared.size:
+    key = rep[shared] * p_n + layout.prompt[shared]
+    _, where, inv = np.unique(key, return_index=True, return_inverse=True)
+    rep[shared] = shared[where[inv.reshape(-1)]]
+  local = layout.flat - layout.prompt * (layout.shape[1] * layout.shape[2])
+  return local[rep].astype(np.int32)
 
 
 # ------------------------------------------------------------ kernel
@@ -259,7 +302,12 @@ def step_group_ids(anchor_obs: Any, layout: RowLayout, *,
                                              "gamma"))
 def _grid_kernel(scores, step_values, valid, ids, penalty, *, eps, omega,
                  norm, gamma):
-  """Joint, episode and step advantages f32[P, G, T] (see gigpo.py)."""
+  """f32[3, P, G, T]: joint, episode and step advantages (see gigpo.py).
+
+  ``valid`` None = every grid cell is a row.
+  """
+  if valid is None:
+    valid = jnp.ones(scores.shape, bool)
   returns = step_values
   if gamma is not None:        # step_values are env rewards: Eq. 5
     returns = gigpo_lib.discounted_returns(step_values, valid, gamma) - penalty
@@ -267,12 +315,15 @@ def _grid_kernel(scores, step_values, valid, ids, penalty, *, eps, omega,
                                      episode_stats="cross_steps")
   a_s = gigpo_lib.step_advantages(returns, valid, ids, eps=eps,
                                   norm_by_std=norm)
-  return jnp.where(valid, a_e + omega * a_s, 0.0), a_e, a_s
+  return jnp.stack([jnp.where(valid, a_e + omega * a_s, 0.0), a_e, a_s])
 
 
 def _numpy(x: Any, dtype=None) -> np.ndarray:
   if hasattr(x, "detach"):                             # torch.Tensor
-    x = x.detach().cpu().numpy()
+    x = x.detach().cpu()
+    if x.is_floating_point() and x.element_size() < 4:   # bf16 / f16
+      x = x.float()
+    x = x.numpy()
   return np.asarray(x, dtype)
 
 
@@ -356,21 +407,21 @@ def gigpo_row_advantages(token_level_rewards: Any, step_rewards: Any,
   ids = step_group_ids(anchor_obs, layout,
                        enable_similarity=enable_similarity,
                        similarity_thresh=similarity_thresh)
-  valid = _to_grid(layout, np.ones(n, bool), fill=False)
+  valid = None if layout.dense else _to_grid(layout, np.ones(n, bool),
+                                             fill=False)
   grid = lambda x: _to_grid(layout, x)
-  joint, a_e, a_s = _grid_kernel(
+  out = np.asarray(_grid_kernel(
       grid(scores), grid(values), valid, grid(ids),
       grid(penalty) if gamma is not None else np.float32(0),
       eps=float(epsilon), omega=float(step_advantage_w),
       norm=mode == "mean_std_norm",
-      gamma=None if gamma is None else float(gamma))
-  row = _from_grid(layout, joint)
+      gamma=None if gamma is None else float(gamma)))
+  row, a_e, a_s = (_from_grid(layout, x) for x in out)
   tokens = np.multiply(row[:, None], mask, dtype=np.float32)
   if hasattr(token_level_rewards, "detach"):
     import torch                                  # pylint: disable=g-import-not-at-top
     tokens = torch.from_numpy(tokens).to(token_level_rewards.device)
-  return FlatAdvantages(tokens, row, _from_grid(layout, a_e),
-                        _from_grid(layout, a_s), ids)
+  return FlatAdvantages(tokens, row, a_e, a_s, ids)
 
 
 def compute_gigpo_outcome_advantage(token_level_rewards: Any,
