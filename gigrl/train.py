@@ -61,9 +61,14 @@ def usage() -> str:
 
 
 def fail(message: str, status: int = 2) -> None:
-  """Prints ``gigrl-train: error: <message>`` as one line on stderr and exits."""
+  """Prints ``<program>: error: <message>`` as one line on stderr and exits.
+
+  ``<program>`` is the console script (``gigrl-train``, ``gigrl-compile``, ...).
+  """
   one_line = " | ".join(part.strip() for part in str(message).splitlines() if part.strip())
-  print(f"{PROG}: error: {one_line}", file=sys.stderr, flush=True)
+  script = os.path.basename(sys.argv[0]) if sys.argv else ""
+  prog = script if script.startswith("gigrl-") else PROG
+  print(f"{prog}: error: {one_line}", file=sys.stderr, flush=True)
   sys.exit(status)
 
 
