@@ -1,8 +1,11 @@
 """Advantage estimators as pure jit/vmap kernels over padded batches.
 
 One module per estimator (``grpo``, ``stratified``, ``gigpo``, ``hadw``), host
-side anchor grouping in ``anchors``, and the config-driven composition in
-``compose`` (re-exported here). Each module cites its paper and reference code.
+side anchor grouping in ``anchors``, the config-driven composition in
+``compose`` (re-exported here), and ``verl``: GiGPO from verl-agent's flat
+step rows (``from gigrl.advantages.verl import
+compute_gigpo_outcome_advantage`` replaces verl-agent's function). Each
+module cites its paper and reference code.
 """
 from gigrl.advantages.compose import AdvantageConfig
 from gigrl.advantages.compose import AdvantageInputs
