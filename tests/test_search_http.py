@@ -256,3 +256,20 @@ def test_cli_rejects_a_bad_corpus_and_bad_flags(tmp_path, capsys):
   with pytest.raises(SystemExit) as e:
     server.run(["--corpus", str(tmp_path / "missing.jsonl"), "--port", "0"])
   assert e.value.code == 2
+
+
+def test_cli_port_in_use_is_one_line(tmp_path, capsys):
+  corpus = tmp_path / "c.jsonl"
+  corpus.write_text('{"id": "0", "contents": "\\"T\\"\\ntext"}\n')
+  srv, url = server.serve_in_thread(bm25.BM25Retriever([qa.Document("0", '"T"\ntext')]))
+  port = urllib.parse.urlsplit(url).port
+  try:
+    with pytest.raises(SystemExit) as e:
+      server.run(["--corpus", str(corpus), "--port", str(port)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"gigrl-serve-retriever: error: cannot listen on 127.0.0.1:{port}")
+    assert len(err.splitlines()) == 1
+  finally:
+    srv.shutdown()
+    srv.server_close()

@@ -198,7 +198,8 @@ def run(argv: list[str] | None = None) -> None:
   """Entry point of ``gigrl-serve-retriever``; serves until interrupted.
 
   Prints ``serving N docs on http://host:port/retrieve`` once ready.
-  Exits with status 2 on a bad corpus (DataError/missing file) or bad flags.
+  Exits with status 2 and one line on a bad corpus (DataError/missing file), bad flags or
+  an address it cannot listen on.
   """
   from gigrl.data import qa  # pylint: disable=import-outside-toplevel
   from gigrl.search.bm25 import BM25Retriever  # pylint: disable=import-outside-toplevel
@@ -206,9 +207,14 @@ def run(argv: list[str] | None = None) -> None:
   try:
     retriever = BM25Retriever.from_corpus(args.corpus)
   except (qa.DataError, OSError, ValueError) as e:
-    print(f"gigrl-serve-retriever: cannot load corpus: {e}", file=sys.stderr)
+    print(f"gigrl-serve-retriever: error: cannot load corpus: {e}", file=sys.stderr)
     sys.exit(2)
-  server, url = serve_in_thread(retriever, args.host, args.port, topk=args.topk)
+  try:
+    server, url = serve_in_thread(retriever, args.host, args.port, topk=args.topk)
+  except OSError as e:                 # port in use, address not available, ...
+    print(f"gigrl-serve-retriever: error: cannot listen on {args.host}:{args.port}: "
+          f"{e.strerror or e}", file=sys.stderr)
+    sys.exit(2)
   print(f"serving {retriever.num_docs} docs on {url}", flush=True)
   try:
     threading.Event().wait()
