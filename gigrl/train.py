@@ -235,7 +235,7 @@ def main(argv: list[str]) -> None:
     jax.distributed.initialize()
   # pylint: disable=g-import-not-at-top
   from gigrl import config as config_lib
-  from gigrl.config_utils import UserError
+  from gigrl.config_utils import ConfigError, UserError
   from gigrl.search.base import SearchError
   # pylint: enable=g-import-not-at-top
   cfg = FLAGS.config
@@ -244,6 +244,10 @@ def main(argv: list[str]) -> None:
     config_lib.validate(cfg)
     if cfg.data.tfds_dir:
       check_writable_dir(cfg.data.tfds_dir, "data.tfds_dir")
+    hf = cfg.model.hf_path
+    if hf and "://" not in hf and not os.path.isfile(os.path.join(hf, "config.json")):
+      raise ConfigError("model.hf_path", hf, "a Hugging Face checkpoint directory (with "
+                        f"config.json; {hf} has none)")
     if cfg.search.backend == "http":         # a server that is down: stop before the build
       from gigrl import search  # pylint: disable=g-import-not-at-top
       search.make_retriever(cfg.search)      # health check (the trainer builds its own)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections as mlc
 
-from gigrl.config_utils import ConfigError, check_choice, check_range, get_field
+from gigrl.config_utils import ConfigError, UserError, check_choice, check_range, get_field
 
 DTYPES = ("float32", "bfloat16", "float16")
 TRAIN_SHARDINGS = ("replicated", "fsdp", "fsdp_tp", "tp")
@@ -283,7 +283,7 @@ def model_config_from(cfg_model: Any, vocab_size: int | None = None) -> ModelCon
 SUPPORTED = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 
 
-class HFImportError(ValueError):
+class HFImportError(UserError, ValueError):
   """A checkpoint cannot be imported; the message names the tensor or field."""
 
 
