@@ -49,6 +49,8 @@ def _cli_cases(tmp):
       "unknown_source": (base + ["--config.data.train_sources=hotpotqa,nosuchset"],
                          r"'data\.train_sources' .*among 2wikimultihopqa, .*hotpotqa.* "
                          r"\(unknown: nosuchset\)"),
+      "hf_path_missing": (base + [f"--config.model.hf_path={tmp}"],
+                          r"'model\.hf_path' .*config\.json"),
       "server_down": (base + ["--config.search.backend=http", "--config.search.max_retries=0",
                               "--config.search.on_failure=empty",
                               "--config.search.url=http://127.0.0.1:9/retrieve"],
@@ -74,7 +76,7 @@ def cli_results(tmp_path_factory):
 
 CLI_CASES = ("unknown_field", "unknown_section", "missing_config", "config_raises", "bad_value",
              "no_workdir", "workdir_unwritable", "questions_empty", "unknown_source",
-             "server_down")
+             "hf_path_missing", "server_down")
 
 
 @pytest.mark.parametrize("name", CLI_CASES)
