@@ -39,6 +39,7 @@ setuptools.setup(
         "console_scripts": [
             "gigrl-train=gigrl.train:run",
             "gigrl-convert-hf=gigrl.models.convert:run",
+            "gigrl-compile=gigrl.compile:run",
             "gigrl-serve-retriever=gigrl.search.server:run",
         ]
     },

@@ -1,0 +1,422 @@
+r"""``gigrl-compile``: prove the TPU programs of a config fit, without a TPU.
+
+Usage::
+
+  gigrl-compile --config configs/smoke.py --topology v5e-16 [--config.<section>.<field>=value ...]
+
+Compiles ahead of time, for the named TPU topology, every program a run executes: the SFT
+step, the RL step, and the rollout programs (prefill, decode, observation extend), at the
+config's real batch and lengths and with the run's shardings (``model.mesh``,
+``model.train_sharding``, ``model.rollout_sharding``), lowered inside ``jax.set_mesh`` as
+the trainer runs them. It prints, per program, the per-device bytes (arguments,
+temporaries, outputs) against the chip's HBM, the FLOPs and a roofline step-time
+estimate, and exits 1 naming every program that does not fit (0 when all fit).
+
+Mechanism (MaxText ``train_compile.py``, axlearn ``run_aot_compilation.py``): with libtpu
+installed (``pip install -e .[tpu]``),
+``jax.experimental.topologies.get_topology_desc`` describes the slice's devices and
+``jax.jit(f, in_shardings=...).lower(<ShapeDtypeStructs>).compile()`` compiles for them
+on a CPU host; ``memory_analysis()`` and ``cost_analysis()`` read the result. The model
+is built with ``backend="accelerator"`` and ``attention`` resolved for TPU (the splash
+kernel unless ``model.attention=xla``).
+
+Topology names: ``v5e-16`` (Cloud accelerator type: v5e / v6e count chips, v5p counts
+TensorCores, 2 per chip) or ``v5e:4x4`` (chip grid).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import sys
+import time
+from typing import Any, Sequence
+
+GiB = 1 << 30
+
+# Per chip (one JAX device): HBM bytes, peak dense bf16 FLOP/s, HBM bytes/s.
+# Sources: Cloud TPU documentation, "TPU v5e" / "TPU v5p" / "TPU v6e" system architecture
+# pages (cloud.google.com/tpu/docs/v5e, /v5p, /v6e), chip specification tables.
+CHIPS: dict[str, dict[str, Any]] = {
+    "v5e": dict(hbm=16 * GiB, flops=197e12, hbm_bw=819e9,
+                source="cloud.google.com/tpu/docs/v5e (16 GiB HBM2, 197 TFLOP/s bf16, "
+                       "819 GB/s)"),
+    "v5p": dict(hbm=95 * 10**9, flops=459e12, hbm_bw=2765e9,
+                source="cloud.google.com/tpu/docs/v5p (95 GB HBM2e, 459 TFLOP/s bf16, "
+                       "2765 GB/s)"),
+    "v6e": dict(hbm=32 * GiB, flops=918e12, hbm_bw=1640e9,
+                source="cloud.google.com/tpu/docs/v6e (32 GiB HBM, 918 TFLOP/s bf16, "
+                       "1640 GB/s)"),
+}
+# Cloud accelerator type -> chip grid (v5e / v6e: N chips; v5p: N TensorCores = N/2 chips).
+_GRIDS = {
+    "v5e": {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
+            256: "16x16"},
+    "v6e": {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
+            256: "16x16"},
+    "v5p": {8: "2x2x1", 16: "2x2x2", 32: "2x4x2", 64: "4x4x2", 128: "4x4x4",
+            256: "4x4x8", 512: "4x8x8"},
+}
+PROGRAMS = ("sft_step", "rl_step", "prefill", "decode", "obs_extend")
+
+
+class CompileError(ValueError):
+  """A bad --topology name (the message lists the accepted names)."""
+
+
+def parse_topology(name: str) -> tuple[str, str]:
+  """``'v5e-16'`` or ``'v5e:4x4'`` -> (chip generation, chip grid ``'4x4'``)."""
+  name = name.strip().lower().replace("v5litepod", "v5e")
+  if ":" in name:
+    gen, grid = name.split(":", 1)
+  elif "-" in name:
+    gen, n = name.split("-", 1)
+    if gen not in _GRIDS or not n.isdigit() or int(n) not in _GRIDS[gen]:
+      raise CompileError(f"--topology {name}: unknown accelerator type; one of "
+                         + ", ".join(f"{g}-{k}" for g in _GRIDS for k in _GRIDS[g]))
+    grid = _GRIDS[gen][int(n)]
+  else:
+    raise CompileError(f"--topology {name}: expected e.g. v5e-16, v5p-8 or v5e:4x4")
+  if gen not in CHIPS:
+    raise CompileError(f"--topology {name}: chip {gen!r} not in {sorted(CHIPS)}")
+  return gen, grid
+
+
+def _libtpu_env() -> None:
+  """libtpu settings for a CPU host: a dummy slice type and host list quiet its start-up
+  warnings; ALLOW_MULTIPLE_LIBTPU_LOAD lets several processes (tests, users) describe
+  topologies at once instead of failing on /tmp/libtpu_lockfile."""
+  os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-16")
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def topology_devices(name: str) -> list:
+  """The devices of a TPU slice, described without a TPU (libtpu must be installed)."""
+  gen, grid = parse_topology(name)
+  dims = [int(d) for d in grid.split("x")]
+  per_host = tuple(min(d, b) for d, b in zip(dims + [1] * (3 - len(dims)), (2, 2, 1)))
+  _libtpu_env()
+  from jax.experimental import topologies
+  return list(topologies.get_topology_desc(
+      topology_name=f"{gen}:{grid}", platform="tpu", chip_config_name="default",
+      chips_per_host_bounds=per_host, num_slices=1,
+      wrap=(False,) * len(per_host)).devices)
+
+
+@dataclasses.dataclass
+class Report:
+  """One compiled program's per-device figures.
+
+  Attributes:
+    name: program name (one of PROGRAMS); shapes: a short description of its batch.
+    argument_bytes, output_bytes, temp_bytes, alias_bytes: per device, from
+      ``memory_analysis()`` (outputs aliased to donated arguments counted once).
+    flops, bytes_accessed: per device, from ``cost_analysis()`` (a while loop's body
+      is counted once, and Pallas kernels count 0 FLOPs: decode and splash are
+      under-estimated).
+    hbm, peak_flops, hbm_bw: the chip's figures (CHIPS).
+    compile_s: compile time (s); kernels: Pallas (Mosaic) kernel calls in the program.
+    error: the compiler's out-of-memory message when it refused the program (then
+      temp_bytes is the requirement it states and the other figures are 0).
+  """
+  name: str
+  shapes: str
+  argument_bytes: int
+  output_bytes: int
+  temp_bytes: int
+  alias_bytes: int
+  flops: float
+  bytes_accessed: float
+  hbm: int
+  peak_flops: float
+  hbm_bw: float
+  compile_s: float
+  kernels: int = 0
+  error: str = ""
+
+  @property
+  def total_bytes(self) -> int:
+    return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+
+  @property
+  def fits(self) -> bool:
+    return not self.error and self.total_bytes <= self.hbm
+
+  @property
+  def roofline_s(self) -> float:
+    """max(FLOPs / peak FLOP/s, bytes accessed / HBM bandwidth), seconds."""
+    return max(self.flops / self.peak_flops, self.bytes_accessed / self.hbm_bw)
+
+  def line(self) -> str:
+    g = lambda b: f"{b / GiB:7.2f}"  # noqa: E731
+    if self.error:
+      return f"{self.name:<11} OVER: {self.error}  {self.shapes}"
+    return (f"{self.name:<11} {g(self.argument_bytes)} {g(self.temp_bytes)} "
+            f"{g(self.output_bytes)} {g(self.total_bytes)} / {self.hbm / GiB:5.1f} "
+            f"{'fits' if self.fits else 'OVER':<5} {self.flops / 1e12:9.2f} "
+            f"{self.roofline_s * 1e3:9.1f}  {self.shapes}")
+
+
+HEADER = (f"{'program':<11} {'args':>7} {'temps':>7} {'outs':>7} {'total':>7} / "
+          f"{'HBM':>5} {'':<5} {'TFLOP/dev':>9} {'roofl. ms':>9}  shapes (GiB per device)")
+
+
+def _report(name, shapes, compiled, chip, compile_s) -> Report:
+  mem = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else {}
+  cost = cost or {}
+  return Report(name=name, shapes=shapes,
+                argument_bytes=int(mem.argument_size_in_bytes),
+                output_bytes=int(mem.output_size_in_bytes),
+                temp_bytes=int(mem.temp_size_in_bytes),
+                alias_bytes=int(mem.alias_size_in_bytes),
+                flops=float(cost.get("flops", 0.0)),
+                bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+                hbm=int(chip["hbm"]), peak_flops=float(chip["flops"]),
+                hbm_bw=float(chip["hbm_bw"]), compile_s=compile_s,
+                kernels=compiled.as_text().count("tpu_custom_call"))
+
+
+def _oom_report(name, shapes, message, chip, compile_s) -> Report:
+  """Report of a program the compiler refused: 'Ran out of memory in memory space hbm
+  ... required for HLO temporaries (37.45G) exceeds available HBM (15.75G)'."""
+  msg = message.split("RESOURCE_EXHAUSTED:", 1)[-1].strip().splitlines()[0]
+  sizes = re.findall(r"\((\d+(?:\.\d+)?)([KMGT])\)", msg)
+  unit = {"K": 1 << 10, "M": 1 << 20, "G": GiB, "T": 1 << 40}
+  need = int(float(sizes[0][0]) * unit[sizes[0][1]]) if sizes else 0
+  return Report(name=name, shapes=shapes, argument_bytes=0, output_bytes=0,
+                temp_bytes=need, alias_bytes=0, flops=0.0, bytes_accessed=0.0,
+                hbm=int(chip["hbm"]), peak_flops=float(chip["flops"]),
+                hbm_bw=float(chip["hbm_bw"]), compile_s=compile_s, error=msg)
+
+
+def _abstract(tree, shardings):
+  import jax
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      tree, shardings)
+
+
+def _vocab_size(cfg) -> int | None:
+  """The tokenizer's vocabulary size (as the trainer builds the model), or None."""
+  if cfg.model.hf_path:
+    return None
+  try:
+    from gigrl.data import tokenizer as tok_lib
+    return int(tok_lib.load(cfg.data.tokenizer).vocab_size)
+  except Exception:  # pylint: disable=broad-except  # compile needs shapes only
+    return None
+
+
+def train_rows(cfg) -> int:
+  """Rows of one RL optimizer step: data.prompts_per_step × data.group_size, or the
+  ``train.ppo_mini_batch_size`` / ``train.micro_batch_size`` rows when those are set."""
+  rows = int(cfg.data.prompts_per_step) * int(cfg.data.group_size)
+  t = cfg.train
+  for field in ("micro_batch_size", "ppo_micro_batch_size"):
+    if field in t and int(t[field] or 0) > 0:
+      return int(t[field])
+  return rows
+
+
+def compile_programs(cfg, topology: str, programs: Sequence[str] = PROGRAMS,
+                     *, log=print) -> list[Report]:
+  """Compiles `programs` of config `cfg` for `topology`; returns their reports.
+
+  Args:
+    cfg: a full gigrl config (``gigrl.config.base_config()`` layout), validated here.
+    topology: e.g. ``'v5e-16'`` or ``'v5e:4x4'`` (see :func:`parse_topology`).
+    programs: a subset of PROGRAMS.
+    log: called with one progress line per program (None = quiet).
+  Raises:
+    CompileError for a bad topology or program name; ConfigError for a mesh that does
+    not match the topology's device count; the compiler's error for a program that
+    cannot be compiled.
+  """
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from gigrl import build
+  from gigrl import config as config_lib
+  from gigrl import models
+  from gigrl.models import sampler
+  from gigrl.models import sharding as shd
+  from gigrl.models.transformer import KVCache
+
+  bad = sorted(set(programs) - set(PROGRAMS))
+  if bad:
+    raise CompileError(f"unknown programs {bad}; one of {PROGRAMS}")
+  config_lib.validate(cfg)
+  gen, _ = parse_topology(topology)
+  chip = CHIPS[gen]
+  devices = topology_devices(topology)
+  mesh = shd.mesh_from_config(cfg.model, devices)
+  build.check_rows_fit_mesh(cfg, mesh)
+  model_cfg = models.model_config_from(cfg.model, _vocab_size(cfg)).resolve("tpu")
+  model_cfg = model_cfg.replace(kernel_interpret=False)
+  abstract = nnx.eval_shape(lambda: models.Transformer(model_cfg, rngs=nnx.Rngs(0)))
+  graphdef, abs_state = nnx.split(abstract)
+  train_preset, rollout_preset = cfg.model.train_sharding, cfg.model.rollout_sharding
+  param_sh = shd.param_shardings(abs_state, mesh, train_preset)
+  params = _abstract(abs_state, param_sh)
+  settings = build.rollout_settings(cfg)
+  p, g = int(cfg.data.prompts_per_step), int(cfg.data.group_size)
+  reports = []
+
+  def run(name, shapes, fn):
+    t0 = time.perf_counter()
+    try:
+      with jax.set_mesh(mesh):
+        compiled = fn().compile()
+      rep = _report(name, shapes, compiled, chip, time.perf_counter() - t0)
+    except jax.errors.JaxRuntimeError as e:   # the TPU compiler refuses what cannot fit
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      rep = _oom_report(name, shapes, str(e), chip, time.perf_counter() - t0)
+    if log:
+      log(rep.line())
+    reports.append(rep)
+
+  def rows_spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=shd.batch_sharding(mesh, shape))
+
+  if {"sft_step", "rl_step"} & set(programs):
+    policy = build.Policy(model_cfg=model_cfg, graphdef=graphdef, mesh=mesh, params=params,
+                          param_sh=param_sh, train_preset=train_preset,
+                          rollout_preset=rollout_preset)
+    steps = build.build_steps(cfg, policy)
+    opt_state = _abstract(jax.eval_shape(steps.rl_tx.init, params), steps.opt_sh)
+    s_len = settings.seq_len
+    if "sft_step" in programs:
+      rows = int(cfg.train.sft_batch_size)
+      toks, mask = rows_spec((rows, s_len), jnp.int32), rows_spec((rows, s_len), jnp.float32)
+      run("sft_step", f"{rows} rows x {s_len} tokens",
+          lambda: _jitted(steps.sft_step).lower(params, opt_state, toks, mask))
+    if "rl_step" in programs:
+      rows = train_rows(cfg)
+      toks = rows_spec((rows, s_len), jnp.int32)
+      mask, adv = (rows_spec((rows, s_len), jnp.float32) for _ in range(2))
+      run("rl_step", f"{rows} rows x {s_len} tokens",
+          lambda: _jitted(steps.rl_step).lower(params, opt_state, params, toks, mask, adv))
+
+  b = p * g
+  cache_len = settings.seq_len + 1
+  roll_params = _abstract(abs_state, shd.param_shardings(abs_state, mesh, rollout_preset))
+  cache = _abstract(jax.eval_shape(lambda: models.init_cache(model_cfg, b, cache_len)),
+                    shd.cache_shardings(model_cfg, mesh, b, cache_len))
+  cache = KVCache(*cache)
+  logits = rows_spec((b, model_cfg.vocab_size), jnp.float32)
+  lens = rows_spec((b,), jnp.int32)
+
+  def extend_program(width):
+    toks = rows_spec((b, width), jnp.int32)
+    fn = jax.jit(lambda st, c, t, n, prev: sampler.extend_last(graphdef, st, c, t, n, prev),
+                 donate_argnums=(1,))
+    return lambda: fn.lower(roll_params, cache, toks, lens, logits)
+
+  if "prefill" in programs:
+    run("prefill", f"{b} rows x {settings.max_prompt_tokens} tokens, cache {cache_len}",
+        extend_program(settings.max_prompt_tokens))
+  if "decode" in programs:
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    stops = jax.ShapeDtypeStruct((2, 4), jnp.int32)
+    active = rows_spec((b,), jnp.bool_)
+
+    def decode(st, c, lg, k, act, budget, stop):
+      return sampler.decode(graphdef, st, c, lg, k, act, budget,
+                            max_new_tokens=settings.max_new_tokens, stop_sequences=stop,
+                            temperature=settings.temperature, top_p=settings.top_p,
+                            top_k=settings.top_k, greedy=settings.greedy)
+
+    fn = jax.jit(decode, donate_argnums=(1,))
+    run("decode", f"{b} rows x {settings.max_new_tokens} new tokens, cache {cache_len}",
+        lambda: fn.lower(roll_params, cache, logits, key, active, lens, stops))
+  if "obs_extend" in programs:
+    run("obs_extend", f"{b} rows x {settings.obs_width} tokens, cache {cache_len}",
+        extend_program(settings.obs_width))
+  return reports
+
+
+def _jitted(step):
+  """The jitted function under a ``build.in_mesh`` wrapper (it keeps ``__wrapped__``)."""
+  while not hasattr(step, "lower") and hasattr(step, "__wrapped__"):
+    step = step.__wrapped__
+  return step
+
+
+def summary(reports: Sequence[Report], topology: str) -> str:
+  """The table of `reports` under the chip's figures (with their source) and a header."""
+  gen, grid = parse_topology(topology)
+  chip = CHIPS[gen]
+  n_devices = math.prod(int(d) for d in grid.split("x"))
+  lines = [f"gigrl-compile: {topology} ({gen} {grid}, {n_devices} chips); "
+           f"per chip {chip['hbm'] / GiB:.1f} GiB HBM, {chip['flops'] / 1e12:.0f} TFLOP/s "
+           f"bf16, {chip['hbm_bw'] / 1e9:.0f} GB/s [{chip['source']}]", HEADER]
+  lines += [r.line() for r in reports]
+  return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def fail(message: str, status: int = 2) -> None:
+  """Prints ``gigrl-compile: error: <message>`` (one line) on stderr and exits."""
+  print(f"gigrl-compile: error: {' | '.join(str(message).splitlines())}", file=sys.stderr,
+        flush=True)
+  sys.exit(status)
+
+
+def main(argv: list[str]) -> None:
+  from gigrl import train as train_cli
+  from gigrl.config_utils import UserError
+  if len(argv) > 1:
+    fail(f"unexpected arguments: {' '.join(argv[1:])}")
+  flags = train_cli.FLAGS
+  if not flags.topology:
+    fail("--topology is required, e.g. --topology v5e-16 (see --help)")
+  try:
+    parse_topology(flags.topology)
+  except CompileError as e:
+    fail(str(e))
+  progs = [p.strip() for p in flags.programs.split(",") if p.strip()]
+  print(summary([], flags.topology), flush=True)
+  try:
+    reports = compile_programs(flags.config, flags.topology, progs,
+                               log=lambda s: print(s, flush=True))
+  except (UserError, CompileError) as e:
+    fail(str(e))
+  over = [r.name for r in reports if not r.fits]
+  if over:
+    fail(f"{', '.join(over)} {'does' if len(over) == 1 else 'do'} not fit in "
+         f"{reports[0].hbm / GiB:.1f} GiB per device on {flags.topology}", status=1)
+  print(f"gigrl-compile: all {len(reports)} programs fit on {flags.topology}")
+
+
+def run() -> None:
+  """Console entry point (``gigrl-compile``)."""
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")   # before jax is imported: no TPU here
+  _libtpu_env()
+  from absl import app
+  from absl import flags as absl_flags
+
+  from gigrl import train as train_cli   # defines --config (and --workdir, unused here)
+  absl_flags.DEFINE_string("topology", None, "TPU slice, e.g. v5e-16, v5p-8, v6e-8, v5e:4x4")
+  absl_flags.DEFINE_string("programs", ",".join(PROGRAMS),
+                           f"comma-separated subset of {', '.join(PROGRAMS)}")
+
+  def parse(argv):
+    if any(a in ("-h", "--help", "-help") for a in argv[1:]):
+      print((__doc__ or "").strip().replace("``", ""))
+      print("\nFlags: --config FILE, --topology NAME, --programs LIST, --config.<field>=value")
+      sys.exit(0)
+    return train_cli.parse_flags(argv)
+
+  app.run(main, flags_parser=parse)
+
+
+if __name__ == "__main__":
+  run()

@@ -1,0 +1,72 @@
+"""Deviceless TPU compile (gigrl-compile) of a tiny config: RL step and decode.
+
+libtpu (the `tpu` extra, `pip install -e .[test,tpu]`) describes a v5e slice on this CPU
+host (`jax.experimental.topologies`) and compiles the real programs for it, the Pallas
+splash-attention kernel included; nothing runs on a TPU.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gigrl import compile as compile_lib
+from gigrl import config as config_lib
+
+pytestmark = pytest.mark.slow   # TPU compiles: ~1-2 min on 2 busy cores
+
+
+def _tiny_config():
+  cfg = config_lib.base_config()
+  cfg.model.preset = "tiny"
+  cfg.model.vocab_size = 512
+  cfg.model.mesh.fsdp = -1
+  cfg.data.prompts_per_step, cfg.data.group_size = 4, 2
+  cfg.train.sft_batch_size = 8
+  cfg.rollout.max_turns = 1
+  cfg.rollout.max_new_tokens = 16
+  cfg.rollout.max_obs_tokens = 16
+  cfg.rollout.max_prompt_tokens = 32
+  return cfg
+
+
+def test_topology_names():
+  assert compile_lib.parse_topology("v5e-16") == ("v5e", "4x4")
+  assert compile_lib.parse_topology("v5p-8") == ("v5p", "2x2x1")
+  assert compile_lib.parse_topology("v6e:2x4") == ("v6e", "2x4")
+  with pytest.raises(compile_lib.CompileError, match="v5e-16"):
+    compile_lib.parse_topology("v5e-12")
+  assert len(compile_lib.topology_devices("v5e-4")) == 4
+
+
+def test_rl_step_and_decode_compile_for_v5e_with_splash():
+  reports = compile_lib.compile_programs(_tiny_config(), "v5e-4", ("rl_step", "decode"),
+                                         log=None)
+  by_name = {r.name: r for r in reports}
+  rl, dec = by_name["rl_step"], by_name["decode"]
+  assert rl.shapes == "8 rows x 80 tokens"
+  assert rl.kernels >= 2            # splash forward + backward kernels (Mosaic calls)
+  assert dec.kernels == 0           # decode attends over the cache in XLA
+  for r in reports:
+    assert r.fits and 0 < r.total_bytes < 64 << 20
+    assert r.flops > 0 and r.roofline_s > 0
+    assert r.hbm == 16 << 30
+  # attention="xla" compiles the same step without kernels.
+  cfg = _tiny_config()
+  cfg.model.attention = "xla"
+  (xla,) = compile_lib.compile_programs(cfg, "v5e-4", ("rl_step",), log=None)
+  assert xla.kernels == 0
+
+
+def test_cli_exits_1_naming_the_program_that_does_not_fit():
+  """Qwen2.5-7B's f32 weights replicated for decode (model.rollout_sharding=replicated)
+  need 30 GB per chip: more than a v5e's 16 GiB."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, "-m", "gigrl.compile", "--config",
+         os.path.join(os.path.dirname(__file__), "..", "configs", "smoke.py"),
+         "--topology", "v5e-4", "--programs", "decode",
+         "--config.model.preset=qwen2.5-7b", "--config.model.rollout_sharding=replicated"]
+  out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert "gigrl-compile: error: decode does not fit" in out.stderr
+  assert "OVER" in out.stdout
