@@ -40,14 +40,14 @@ class StateMismatchError(config_utils.ConfigError):
     self.field, self.value = "checkpoint", step
     self.allowed = "a config with the checkpoint's state structure"
     self.differences, self.config_changes = differences, config_changes
-    changed = "; ".join(config_changes[:8]) or "none recorded"
+    more = f" (+{len(differences) - 4} more)" if len(differences) > 4 else ""
+    changed = (f"Config fields changed since it was written: {'; '.join(config_changes[:8])}. "
+               "To proceed, rerun with the checkpoint's values for those fields"
+               if config_changes else "To proceed, rerun with the config it was written with")
     ValueError.__init__(
-        self,
-        f"checkpoint step {step} in {directory} does not fit this config: "
-        f"{'; '.join(differences[:4])}"
-        f"{' (+%d more)' % (len(differences) - 4) if len(differences) > 4 else ''}. "
-        f"Config fields changed since it was written: {changed}. To proceed, rerun with the "
-        f"checkpoint's values for those fields, or use a new --workdir to start a new run.")
+        self, f"checkpoint step {step} in {directory} does not fit this config: "
+        f"{'; '.join(differences[:4])}{more}. {changed}, or use a new --workdir to start a "
+        "new run.")
 
 
 class Checkpointer:
@@ -57,8 +57,12 @@ class Checkpointer:
     self.directory = epath.Path(directory)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
-    self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                         item_names=("state", "meta"))
+    # Handlers named up front, so a fresh process can read a checkpoint's array metadata
+    # (structure check) before restoring anything.
+    self.manager = ocp.CheckpointManager(
+        self.directory, options=options,
+        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                       "meta": ocp.JsonCheckpointHandler()})
 
   def save(self, state: state_lib.TrainState, extra_meta: dict[str, Any] | None = None, *,
            force: bool = False) -> None:
@@ -140,31 +144,27 @@ def _report_unreadable(step: int, e: Exception) -> None:
 def structure_differences(saved: Any, expected: Any) -> list[str]:
   """Human-readable differences between a checkpoint's array metadata and a state's arrays.
 
-  Both trees are flattened in jax order (orbax restores positionally); leaves are compared by
-  shape and dtype. Returns [] when they match.
+  Leaves are matched by path (orbax stores named tuples as dicts, so order is not enough) and
+  compared by shape and dtype. Returns [] when they match.
   """
-  saved_leaves = jax.tree_util.tree_flatten_with_path(saved)[0]
-  exp_leaves = jax.tree_util.tree_flatten_with_path(expected)[0]
-  name = lambda path: "/".join(state_lib._key_str(k) for k in path)  # pylint: disable=protected-access
-  if len(saved_leaves) != len(exp_leaves):
-    saved_names = {name(p) for p, _ in saved_leaves}
-    exp_names = {name(p) for p, _ in exp_leaves}
-    out = [f"the checkpoint has {len(saved_leaves)} arrays, this config's state "
-           f"{len(exp_leaves)}"]
-    only_s, only_e = sorted(saved_names - exp_names), sorted(exp_names - saved_names)
-    if only_s:
-      out.append(f"only in the checkpoint: {', '.join(only_s[:3])}")
-    if only_e:
-      out.append(f"only in this config: {', '.join(only_e[:3])}")
-    return out
+  s, e = _by_path(saved), _by_path(expected)
   out = []
-  for (_, s), (path, e) in zip(saved_leaves, exp_leaves):
-    s_shape, e_shape = tuple(int(d) for d in s.shape), tuple(int(d) for d in e.shape)
-    s_dtype, e_dtype = str(s.dtype), str(e.dtype)
-    if s_shape != e_shape or s_dtype != e_dtype:
-      out.append(f"{name(path)} is {s_dtype}{list(s_shape)} in the checkpoint, "
-                 f"{e_dtype}{list(e_shape)} here")
+  only_s, only_e = sorted(set(s) - set(e)), sorted(set(e) - set(s))
+  if only_s:
+    out.append(f"{len(only_s)} arrays only in the checkpoint (e.g. {', '.join(only_s[:3])})")
+  if only_e:
+    out.append(f"{len(only_e)} arrays only in this config's state (e.g. "
+               f"{', '.join(only_e[:3])})")
+  for k in sorted(set(s) & set(e)):
+    if s[k] != e[k]:
+      out.append(f"{k} is {s[k][1]}{list(s[k][0])} in the checkpoint, {e[k][1]}{list(e[k][0])} "
+                 "here")
   return out
+
+
+def _by_path(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+  return {k: (tuple(int(d) for d in x.shape), str(x.dtype))
+          for k, x in state_lib.leaves_by_path(tree).items()}
 
 
 def pool_differences(saved: dict[str, Any], expected: dict[str, Any]) -> list[str]:

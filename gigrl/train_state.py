@@ -67,13 +67,11 @@ def copy(state: TrainState) -> TrainState:
   return jax.tree.map(jnp.copy, state)
 
 
-def describe_structure(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-  """{'path/to/leaf': (shape, dtype)} of an array tree (live, abstract or orbax metadata)."""
-  out = {}
-  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    key = "/".join(_key_str(k) for k in path)
-    out[key] = (tuple(int(d) for d in x.shape), str(x.dtype))
-  return out
+def leaves_by_path(tree: Any) -> dict[str, Any]:
+  """{'path/to/leaf': leaf} of an array tree (live, abstract or orbax metadata); named-tuple
+  fields, dict keys and sequence indices all become path components."""
+  return {"/".join(_key_str(k) for k in path): x
+          for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _key_str(k) -> str:
