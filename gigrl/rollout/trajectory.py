@@ -137,8 +137,17 @@ def search_observations(retriever, tokenizer, queries: Sequence[str], topk: int,
   if len(results) != len(queries):
     raise ValueError(f"retriever returned {len(results)} result lists for "
                      f"{len(queries)} queries")
-  return [observation_ids(tokenizer, [p.contents for p in passages], max_obs_tokens)
-          for passages in results]
+  # Rollouts of one prompt often retrieve the same passages: tokenise each distinct list once
+  # (the ids are copied per row, the anchor string is shared).
+  memo: dict[tuple[str, ...], tuple[list[int], str]] = {}
+  out = []
+  for passages in results:
+    key = tuple(p.contents for p in passages)
+    if key not in memo:
+      memo[key] = observation_ids(tokenizer, list(key), max_obs_tokens)
+    ids, anchor = memo[key]
+    out.append((list(ids), anchor))
+  return out
 
 
 def invalid_observation_ids(tokenizer) -> list[int]:
