@@ -6,6 +6,7 @@ Regenerate the shipped files (deterministic, byte-identical) with::
 
   python -m gigrl.data.countries            # writes gigrl/data/files/countries/{corpus,questions}.jsonl
   python -m gigrl.data.countries --check    # exit 1 if the shipped files differ from a regeneration
+  python -m gigrl.data.countries --tokenizer  # also (re)trains files/countries/spm_countries.model
 
 **Corpus** (Search-R1 format ``{"id", "contents": "\\"Title\\"\\ntext"}``): four passages per country,
 all titled with the country's name: capital (and continent); currency and languages; neighbours;
@@ -65,6 +66,8 @@ SUBDIR = "countries"
 SOURCE_FILE = "geonames_countries.json"
 CORPUS_FILE = "corpus.jsonl"
 QUESTIONS_FILE = "questions.jsonl"
+TOKENIZER_FILE = "spm_countries.model"
+TOKENIZER_VOCAB = 768
 HELDOUT_PERCENT = 20
 CONTINENTS = {"AF": "Africa", "AS": "Asia", "EU": "Europe", "NA": "North America",
               "OC": "Oceania", "SA": "South America", "AN": "Antarctica"}
@@ -351,6 +354,41 @@ def generate(source: str) -> tuple[list[dict], list[dict]]:
   return build_corpus(countries), build_questions(countries)
 
 
+def train_tokenizer(corpus: Sequence[dict], questions: Sequence[dict], out_path: str,
+                    vocab_size: int = TOKENIZER_VOCAB) -> str:
+  """Trains the task's small BPE sentencepiece model (same settings as the bundled 8k model:
+  Search-R1 tags as single pieces, byte fallback, identity normalisation, split digits).
+
+  Why a task tokenizer: with 768 pieces the LM head costs 10x less than the bundled 8,192-piece
+  model's (the head dominates a tiny policy's FLOPs), and entity names split into pieces that
+  also occur in training targets (42 of 469 held-out questions contain a piece no training
+  question or answer has, against 387 with the bundled model), so copying an unseen entity
+  does not require emitting a token the policy was never trained to emit. The Search-R1
+  instruction and the demonstration turns are repeated so their words are single pieces.
+  """
+  import io  # pylint: disable=import-outside-toplevel
+  import sentencepiece as spm  # pylint: disable=import-outside-toplevel
+  from gigrl import tags  # pylint: disable=import-outside-toplevel
+  fixed = [tags.INSTRUCTION, tags.INVALID_ACTION_MSG,
+           "<think> I need to find more information. </think>\n<search> x </search>",
+           "<think> The documents answer the question. </think>\n<answer> x </answer>",
+           "Doc 1(Title: x) y"]
+  sentences = ([d["contents"].replace("\n", " ") for d in corpus]
+               + [q["question"] for q in questions]
+               + [" ".join(q["golden_answers"]) for q in questions] + fixed * 200)
+  model = io.BytesIO()
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size,
+      model_type="bpe", character_coverage=1.0, byte_fallback=True,
+      pad_id=0, unk_id=1, bos_id=2, eos_id=3, user_defined_symbols=list(tags.TAGS),
+      add_dummy_prefix=False, split_digits=True, num_threads=1, minloglevel=2,
+      max_sentence_length=16384, normalization_rule_name="identity",
+      remove_extra_whitespaces=False, allow_whitespace_only_pieces=True)
+  with open(out_path, "wb") as f:
+    f.write(model.getvalue())
+  return out_path
+
+
 def _jsonl(rows: Sequence[dict]) -> str:
   return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 
@@ -359,6 +397,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--source", default=os.path.join(default_dir(), SOURCE_FILE))
   parser.add_argument("--out_dir", default=default_dir())
+  parser.add_argument("--tokenizer", action="store_true",
+                      help=f"also train {TOKENIZER_FILE} (vocab {TOKENIZER_VOCAB})")
   parser.add_argument("--check", action="store_true",
                       help="compare with the files in --out_dir instead of writing them")
   args = parser.parse_args(argv)
@@ -376,6 +416,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   for name, text in files.items():
     with open(os.path.join(args.out_dir, name), "w", encoding="utf-8") as f:
       f.write(text)
+  if args.tokenizer:
+    train_tokenizer(corpus, questions, os.path.join(args.out_dir, TOKENIZER_FILE))
   n_eval = sum(q["split"] == "eval" for q in questions)
   print(f"{len(corpus)} passages, {len(questions)} questions "
         f"({len(questions) - n_eval} train, {n_eval} eval) -> {args.out_dir}")

@@ -1,0 +1,116 @@
+"""The countries task generator: deterministic, answers findable, split by country, 2-hop unique."""
+import collections
+import json
+import os
+
+import pytest
+
+from gigrl.data import countries
+from gigrl.data import qa
+
+ROOT = countries.default_dir()
+SOURCE = os.path.join(ROOT, countries.SOURCE_FILE)
+
+
+@pytest.fixture(scope="module")
+def generated():
+  return countries.generate(SOURCE)
+
+
+def _read(name):
+  with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+    return [json.loads(line) for line in f]
+
+
+def test_deterministic_and_matches_shipped_files(generated):
+  corpus, questions = generated
+  assert countries.generate(SOURCE) == (corpus, questions)
+  assert _read(countries.CORPUS_FILE) == corpus
+  assert _read(countries.QUESTIONS_FILE) == questions
+  assert countries.main(["--check"]) == 0
+
+
+def test_shipped_files_load_as_search_r1(generated):
+  docs = qa.load_corpus(os.path.join(ROOT, countries.CORPUS_FILE))
+  qs = qa.load_questions(os.path.join(ROOT, countries.QUESTIONS_FILE))
+  assert len(docs) == len(generated[0]) and len(qs) == len(generated[1])
+  assert {q.data_source for q in qs} == {"countries"}
+  assert {q.split for q in qs} == {"train", "eval"}
+  train, ev = qa.split_questions(qs, eval_percent=50)   # pinned: eval_percent is ignored
+  assert {q.id for q in ev} == {r["id"] for r in generated[1] if r["split"] == "eval"}
+
+
+def test_every_golden_answer_is_in_a_passage_of_the_questions_entity(generated):
+  corpus, questions = generated
+  by_iso = collections.defaultdict(list)
+  for d in corpus:
+    by_iso[d["id"].split("-")[1]].append(qa.split_title(d["contents"])[1])
+  for q in questions:
+    # The final answer is a fact of the chain's last country (the entity the last hop is
+    # about), or the name of that country, which titles its passages.
+    texts = [t for iso in q["countries"] for t in by_iso[iso]]
+    for a in q["golden_answers"]:
+      assert any(f" {qa.normalize_answer(a)} " in f" {qa.normalize_answer(t)} " for t in texts), q
+
+
+def test_heldout_split_shares_no_country_with_training(generated):
+  _, questions = generated
+  train = {c for q in questions if q["split"] == "train" for c in q["countries"]}
+  held = {c for q in questions if q["split"] == "eval" for c in q["countries"]}
+  assert train and held and not train & held
+  assert all(countries.is_heldout(c) for c in held)
+  # No held-out answer is a training answer: memorising training answers scores 0.
+  train_answers = {qa.normalize_answer(a) for q in questions if q["split"] == "train"
+                   for a in q["golden_answers"]}
+  held_answers = {qa.normalize_answer(a) for q in questions if q["split"] == "eval"
+                  for a in q["golden_answers"]}
+  assert held_answers and not held_answers & train_answers
+
+
+def test_questions_are_unambiguous(generated):
+  _, questions = generated
+  by_text = collections.defaultdict(set)
+  for q in questions:
+    by_text[qa.normalize_answer(q["question"])].add(tuple(q["golden_answers"]))
+    for a in q["golden_answers"]:
+      assert f" {qa.normalize_answer(a)} " not in f" {qa.normalize_answer(q['question'])} "
+  assert all(len(v) == 1 for v in by_text.values())
+
+
+def test_two_hop_first_answer_is_unique(generated):
+  _, questions = generated
+  recs = countries.load_countries(SOURCE)
+  capitals = collections.Counter(qa.normalize_answer(c.capital) for c in recs.values())
+  currencies = collections.Counter(qa.normalize_answer(c.currency_name) for c in recs.values())
+  two = [q for q in questions if q["hops"] == 2]
+  assert two and {q["hops"] for q in questions} == {1, 2}
+  for q in two:
+    pivot = q["relation"].split(">")[0]
+    first = recs[q["countries"][0]]
+    if pivot == "country_of_capital":      # the capital names exactly one country
+      assert capitals[qa.normalize_answer(first.capital)] == 1 and first.capital in q["question"]
+    elif pivot == "country_of_currency":
+      assert currencies[qa.normalize_answer(first.currency_name)] == 1
+    else:                                  # the only neighbour: exactly one
+      assert pivot == "neighbour" and len(first.neighbours) == 1
+      assert q["countries"][1] == first.neighbours[0]
+
+
+def test_sft_prefix_is_one_hop_and_eval_ids_mix_hops(generated):
+  _, questions = generated
+  train = sorted((q for q in questions if q["split"] == "train"), key=lambda q: q["id"])
+  n1 = sum(q["hops"] == 1 for q in train)
+  assert all(q["hops"] == 1 for q in train[:n1]) and all(q["hops"] == 2 for q in train[n1:])
+  ev = sorted((q for q in questions if q["split"] == "eval"), key=lambda q: q["id"])
+  assert {q["hops"] for q in ev[:50]} == {1, 2}
+
+
+def test_task_tokenizer_covers_the_task():
+  from gigrl import tags
+  from gigrl.data import tokenizer as tok_lib
+  tok = tok_lib.load(os.path.join(ROOT, countries.TOKENIZER_FILE))
+  assert tok.vocab_size == countries.TOKENIZER_VOCAB
+  assert all(len(tok.encode(t)) == 1 for t in tags.TAGS)
+  for d in _read(countries.CORPUS_FILE)[:200]:
+    assert tok.decode(tok.encode(d["contents"])) == d["contents"]
+  assert len(tok.encode(tags.INSTRUCTION)) < 128
