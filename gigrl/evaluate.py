@@ -2,19 +2,36 @@
 
 :func:`evaluate` takes any :class:`gigrl.rollout.engine.RolloutEngine` (greedy for the usual
 held-out EM), the params and the questions, and returns one result per question and the
-aggregate metrics (``eval/em``, ``eval/search_calls_mean``, ``eval/answered_frac``,
-``eval/invalid_frac``, ``eval/n`` and ``eval/em/<data_source>``). The trainer calls it at the end
-of a run; periodic evaluation and a standalone evaluation command build on it.
+aggregate metrics of :func:`aggregate`:
+
+* totals: ``eval/n``, ``eval/em``, ``eval/f1`` (SQuAD token F1), ``eval/search_calls_mean``,
+  ``eval/answered_frac``, ``eval/invalid_frac``;
+* per subset (``<data_source>`` and, when questions carry a ``hops`` field, ``hops=<k>``):
+  ``eval/em/<subset>``, ``eval/f1/<subset>``, ``eval/search_calls_mean/<subset>`` and its share
+  of the questions ``eval/share/<subset>``;
+* per stratum (the number of executed search calls, Stratified GRPO's strata):
+  ``eval/em/calls=<n>`` and ``eval/share/calls=<n>``.
+
+Each breakdown adds up to its total: ``sum_s share_s · em_s == em`` (tests/test_eval.py).
+:func:`pass_at_k` is the unbiased pass@k of Chen et al. (2021, "Evaluating Large Language
+Models Trained on Code", eq. 1) over n sampled rollouts per question.
+
+Used by the trainer (``train.eval_every`` and the final ``eval.json``) and by ``gigrl-eval``
+(:mod:`gigrl.eval_cli`).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Any, Sequence
+import json
+import math
+from typing import Any, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
 
 from gigrl import reward as reward_lib
+from gigrl.data.qa import normalize_answer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +45,8 @@ class EvalResult:
     search_calls: executed searches.
     invalid_actions: generated turns whose action parsed as neither search nor answer.
     text: the generated turns (observations excluded), joined.
+    f1: SQuAD token F1 of ``answer`` (best over ``golden_answers``; 0 without an answer).
+    hops: the question's ``hops`` field (None when it has none).
   """
   question: str
   golden_answers: tuple[str, ...]
@@ -37,9 +56,86 @@ class EvalResult:
   search_calls: int
   invalid_actions: int
   text: str
+  f1: float = 0.0
+  hops: int | None = None
 
 
-def evaluate(engine, params, questions: Sequence[Any], key: jax.Array | None = None
+def f1_score(prediction: str | None, golden_answers: Sequence[str]) -> float:
+  """SQuAD token F1 of ``prediction``, the best over ``golden_answers`` (0.0 for None).
+
+  Tokens are the whitespace words of :func:`gigrl.data.qa.normalize_answer`. Reference: the
+  SQuAD v1.1 ``evaluate-v1.1.py`` (``f1_score``) as FlashRAG's ``F1_Score`` uses it, without
+  FlashRAG's yes/no/noanswer special case (an exact yes/no match scores 1 either way).
+  """
+  if prediction is None:
+    return 0.0
+  pred = normalize_answer(prediction).split()
+  best = 0.0
+  for gold in golden_answers:
+    ref = normalize_answer(gold).split()
+    common = sum((collections.Counter(pred) & collections.Counter(ref)).values())
+    if common == 0:
+      continue
+    p, r = common / len(pred), common / len(ref)
+    best = max(best, 2 * p * r / (p + r))
+  return best
+
+
+def question_hops(paths: Iterable[str]) -> dict[str, int]:
+  """``{normalised question: hops}`` from the rows of Search-R1 jsonl files that carry an
+  integer ``hops`` field (e.g. the ``countries`` set); other rows and unreadable lines are
+  skipped (the loaders in :mod:`gigrl.data.qa` report malformed rows)."""
+  out: dict[str, int] = {}
+  for path in paths:
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        try:
+          row = json.loads(line)
+        except json.JSONDecodeError:
+          continue
+        hops = row.get("hops") if isinstance(row, dict) else None
+        if isinstance(hops, int) and not isinstance(hops, bool) and isinstance(
+            row.get("question"), str):
+          out[normalize_answer(row["question"])] = hops
+  return out
+
+
+def _hops(q: Any, hops: Mapping[str, int] | None) -> int | None:
+  h = getattr(q, "hops", None)
+  if h is None and hops:
+    h = hops.get(normalize_answer(q.question))
+  return None if h is None else int(h)
+
+
+def score(questions: Sequence[Any], batch, hops: Mapping[str, int] | None = None,
+          rows: Sequence[int] | None = None) -> list[EvalResult]:
+  """Scores rollout rows against their questions.
+
+  Args:
+    questions: objects with ``question``, ``golden_answers`` and (optional) ``data_source``
+      and ``hops`` attributes (e.g. :class:`gigrl.data.qa.Question`).
+    batch: a :class:`~gigrl.rollout.trajectory.TrajectoryBatch`.
+    hops: optional ``{normalised question: hops}`` (:func:`question_hops`) for questions
+      without a ``hops`` attribute.
+    rows: the batch row of each question (default: row i for question i).
+  """
+  rows = range(len(questions)) if rows is None else rows
+  out = []
+  for q, i in zip(questions, rows):
+    turns = batch.generated_text[i]
+    answer = reward_lib.extract_answer(turns)
+    out.append(EvalResult(
+        question=q.question, golden_answers=tuple(q.golden_answers),
+        data_source=str(getattr(q, "data_source", "") or ""),
+        answer=answer, em=float(reward_lib.exact_match(answer, q.golden_answers)),
+        search_calls=int(batch.search_calls[i]),
+        invalid_actions=int(np.sum(~np.asarray(batch.action_valid[i], bool))),
+        text="".join(turns), f1=f1_score(answer, q.golden_answers), hops=_hops(q, hops)))
+  return out
+
+
+def evaluate(engine, params, questions: Sequence[Any], key: jax.Array | None = None, *,
+             hops: Mapping[str, int] | None = None
              ) -> tuple[list[EvalResult], dict[str, float], Any]:
   """Rolls out ``questions`` once each and scores them.
 
@@ -47,49 +143,82 @@ def evaluate(engine, params, questions: Sequence[Any], key: jax.Array | None = N
     engine: a rollout engine (``engine.run(params, list[str], key)``); pass one built with
       ``greedy=True`` for greedy evaluation.
     params: the policy's params (any layout the engine accepts).
-    questions: objects with ``question``, ``golden_answers`` and (optional) ``data_source``
-      attributes (e.g. :class:`gigrl.data.qa.Question`).
+    questions: see :func:`score`.
     key: PRNG key for sampled evaluation (default ``jax.random.key(0)``).
+    hops: see :func:`score`.
   Returns:
     (results, metrics, batch): per-question :class:`EvalResult` in input order; aggregate
-    metrics (see the module docstring; empty for no questions); the rollout's
+    metrics (:func:`aggregate`; empty for no questions); the rollout's
     :class:`~gigrl.rollout.trajectory.TrajectoryBatch` (None for no questions).
   """
   if not questions:
     return [], {}, None
   key = jax.random.key(0) if key is None else key
   batch, _ = engine.run(params, [q.question for q in questions], key)
-  results = []
-  for i, q in enumerate(questions):
-    turns = batch.generated_text[i]
-    results.append(EvalResult(
-        question=q.question, golden_answers=tuple(q.golden_answers),
-        data_source=str(getattr(q, "data_source", "")),
-        answer=reward_lib.extract_answer(turns),
-        em=float(reward_lib.em_reward(turns, q.golden_answers)),
-        search_calls=int(batch.search_calls[i]),
-        invalid_actions=int(np.sum(~np.asarray(batch.action_valid[i], bool))),
-        text="".join(turns)))
+  results = score(questions, batch, hops)
   return results, aggregate(results), batch
 
 
-def aggregate(results: Sequence[EvalResult]) -> dict[str, float]:
+def subsets(r: EvalResult) -> list[str]:
+  """The subset names ``r`` counts in: its data source, and ``hops=<k>`` if it has hops."""
+  out = [r.data_source] if r.data_source else []
+  return out + ([f"hops={r.hops}"] if r.hops is not None else [])
+
+
+def aggregate(results: Sequence[EvalResult], prefix: str = "eval") -> dict[str, float]:
   """Aggregate metrics of :func:`evaluate`'s results (means over questions).
 
-  ``eval/invalid_frac`` is the share of questions with at least one invalid action;
-  ``eval/em/<data_source>`` the EM of each data source present.
+  ``<prefix>/invalid_frac`` is the share of questions with at least one invalid action. The
+  per-subset and per-stratum keys are listed in the module docstring; ``share`` is the subset's
+  fraction of the questions, so each breakdown's share-weighted mean is the total.
   """
   if not results:
     return {}
-  em = np.array([r.em for r in results], np.float64)
-  out = {
-      "eval/n": float(len(results)),
-      "eval/em": float(em.mean()),
-      "eval/search_calls_mean": float(np.mean([r.search_calls for r in results])),
-      "eval/answered_frac": float(np.mean([r.answer is not None for r in results])),
-      "eval/invalid_frac": float(np.mean([r.invalid_actions > 0 for r in results])),
-  }
-  for source in sorted({r.data_source for r in results if r.data_source}):
-    out[f"eval/em/{source}"] = float(np.mean([r.em for r in results
-                                              if r.data_source == source]))
+  n = len(results)
+
+  def stats(rs: Sequence[EvalResult]) -> dict[str, float]:
+    return {"em": float(np.mean([r.em for r in rs])), "f1": float(np.mean([r.f1 for r in rs])),
+            "search_calls_mean": float(np.mean([r.search_calls for r in rs]))}
+
+  out = {f"{prefix}/n": float(n), **{f"{prefix}/{k}": v for k, v in stats(results).items()},
+         f"{prefix}/answered_frac": float(np.mean([r.answer is not None for r in results])),
+         f"{prefix}/invalid_frac": float(np.mean([r.invalid_actions > 0 for r in results]))}
+  groups: dict[str, list[EvalResult]] = collections.defaultdict(list)
+  for r in results:
+    for s in subsets(r):
+      groups[s].append(r)
+  for s in sorted(groups):
+    for k, v in stats(groups[s]).items():
+      out[f"{prefix}/{k}/{s}"] = v
+    out[f"{prefix}/share/{s}"] = len(groups[s]) / n
+  calls = collections.defaultdict(list)
+  for r in results:
+    calls[r.search_calls].append(r.em)
+  for c in sorted(calls):
+    out[f"{prefix}/em/calls={c}"] = float(np.mean(calls[c]))
+    out[f"{prefix}/share/calls={c}"] = len(calls[c]) / n
   return out
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+  """Unbiased pass@k from ``num_correct`` of ``num_samples`` samples being right: 1 − C(n−c,
+  k)/C(n, k) (Chen et al. 2021, eq. 1).
+
+  Raises:
+    ValueError: ``k`` is not in ``[1, num_samples]``.
+  """
+  if not 1 <= k <= num_samples:
+    raise ValueError(f"pass@k needs 1 <= k <= samples, got k={k}, samples={num_samples}")
+  if num_samples - num_correct < k:
+    return 1.0
+  return 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
+
+
+def select(questions: Sequence[Any], n: int) -> list[Any]:
+  """``n`` questions spread evenly over ``questions`` (all of them when ``n`` is 0 or more
+  than there are), in order: a sorted list keeps every subset's proportion, where its first
+  ``n`` rows would hold only the first subsets."""
+  if not n or n >= len(questions):
+    return list(questions)
+  idx = np.unique(np.linspace(0, len(questions) - 1, n).round().astype(int))
+  return [questions[int(i)] for i in idx]

@@ -45,11 +45,12 @@ def test_evaluate_per_question_and_aggregate():
   assert [r.answer for r in results] == ["paris", "Cusco", None]
   assert [r.search_calls for r in results] == [1, 0, 1]
   assert [r.invalid_actions for r in results] == [0, 0, 2]
-  assert m == {"eval/n": 3.0, "eval/em": pytest.approx(1 / 3),
-               "eval/search_calls_mean": pytest.approx(2 / 3),
-               "eval/answered_frac": pytest.approx(2 / 3),
-               "eval/invalid_frac": pytest.approx(1 / 3),
-               "eval/em/geo": 0.5, "eval/em/lit": 0.0}
+  want = {"eval/n": 3.0, "eval/em": pytest.approx(1 / 3),
+          "eval/search_calls_mean": pytest.approx(2 / 3),
+          "eval/answered_frac": pytest.approx(2 / 3),
+          "eval/invalid_frac": pytest.approx(1 / 3),
+          "eval/em/geo": 0.5, "eval/em/lit": 0.0, "eval/f1": pytest.approx(1 / 3)}
+  assert {k: m[k] for k in want} == want     # breakdowns: tests/test_eval.py
   assert batch.tokens.shape[0] == 3
   assert evaluate.evaluate(engine, "PARAMS", []) == ([], {}, None)
 

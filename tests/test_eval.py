@@ -1,0 +1,123 @@
+"""gigrl.evaluate's metrics: SQuAD F1, the breakdowns (subsets, hops, search-call strata) add up
+to the totals, pass@k, the spread selection of held-out questions."""
+import json
+import random
+
+import pytest
+
+from gigrl import evaluate
+from gigrl.data.qa import Question
+from gigrl.rollout import trajectory as traj_lib
+
+
+def _result(em, calls, source="a", hops=None, answered=True, invalid=0, f1=None):
+  return evaluate.EvalResult(
+      question="q", golden_answers=("x",), data_source=source,
+      answer="x" if answered else None, em=float(em), search_calls=calls,
+      invalid_actions=invalid, text="", f1=float(em if f1 is None else f1), hops=hops)
+
+
+def test_f1_squad():
+  assert evaluate.f1_score(None, ["Paris"]) == 0.0
+  assert evaluate.f1_score("The Paris", ["paris"]) == 1.0
+  # pred: {new, york, city}, gold {new, york}: p = 2/3, r = 1 -> 0.8
+  assert evaluate.f1_score("New York City", ["Boston", "new york"]) == pytest.approx(0.8)
+  assert evaluate.f1_score("Lima", ["Cusco"]) == 0.0
+  assert evaluate.f1_score("a", ["the"]) == 0.0            # both normalise to no tokens
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_breakdowns_add_up_to_the_totals(seed):
+  rng = random.Random(seed)
+  results = [_result(rng.random() < 0.4, rng.choice([0, 1, 1, 2, 3]),
+                     source=rng.choice(["countries", "hotpotqa", "nq"]),
+                     hops=rng.choice([1, 2, None]), f1=rng.random())
+             for _ in range(rng.randint(1, 60))]
+  m = evaluate.aggregate(results)
+  assert m["eval/n"] == len(results)
+  for key, prefix in (("em", "eval/em/"), ("f1", "eval/f1/"),
+                      ("search_calls_mean", "eval/search_calls_mean/")):
+    for kind in ("calls=", "hops=", "source"):
+      if key != "em" and kind == "calls=":
+        continue
+      names = [k[len(prefix):] for k in m if k.startswith(prefix)]
+      if kind == "source":
+        names = [s for s in names if "=" not in s]
+      else:
+        names = [s for s in names if s.startswith(kind)]
+      total_share = sum(m[f"eval/share/{s}"] for s in names)
+      weighted = sum(m[f"eval/share/{s}"] * m[prefix + s] for s in names)
+      if kind == "hops=":   # questions without hops are in no hops subset
+        with_hops = [r for r in results if r.hops is not None]
+        assert total_share == pytest.approx(len(with_hops) / len(results))
+        if with_hops:
+          want = sum(getattr(r, "em" if key == "em" else key if key == "f1" else "search_calls")
+                     for r in with_hops) / len(results)
+          assert weighted == pytest.approx(want)
+      else:
+        assert total_share == pytest.approx(1.0), (kind, names)
+        assert weighted == pytest.approx(m[f"eval/{key}"]), (key, kind)
+
+
+def test_aggregate_values():
+  rs = [_result(1, 1, "geo", hops=1), _result(0, 2, "geo", hops=2, invalid=1),
+        _result(0, 0, "lit", answered=False), _result(1, 1, "lit", hops=1)]
+  m = evaluate.aggregate(rs)
+  assert m["eval/em"] == 0.5 and m["eval/answered_frac"] == 0.75
+  assert m["eval/invalid_frac"] == 0.25 and m["eval/search_calls_mean"] == 1.0
+  assert m["eval/em/calls=1"] == 1.0 and m["eval/share/calls=1"] == 0.5
+  assert m["eval/em/calls=0"] == 0.0 and m["eval/share/calls=2"] == 0.25
+  assert m["eval/em/hops=1"] == 1.0 and m["eval/search_calls_mean/hops=2"] == 2.0
+  assert m["eval/share/hops=1"] == 0.5 and "eval/em/hops=None" not in m
+  assert m["eval/em/geo"] == 0.5 and m["eval/share/lit"] == 0.5
+  assert evaluate.aggregate([]) == {}
+
+
+class _Engine:
+  """Answers each question with the text after 'say ' in it, searching `calls` times."""
+
+  def run(self, params, questions, key):
+    builders = []
+    for q in questions:
+      tb = traj_lib.TrajectoryBuilder()
+      tb.add_prompt([1], anchor=q)
+      calls = q.count("?")
+      for _ in range(calls):
+        tb.add_generation([2], "<search> x </search>")
+      tb.add_generation([3], f"<answer> {q.split('say ')[-1].rstrip('?')} </answer>")
+      tb.search_calls = calls
+      builders.append(tb)
+    return traj_lib.collate(builders, 16, 0), {}
+
+
+def test_evaluate_hops_from_file(tmp_path):
+  qs = [Question("1", "say Lima?", ("Lima",), "countries"),
+        Question("2", "say Quito??", ("Lima",), "countries")]
+  path = tmp_path / "q.jsonl"
+  path.write_text(json.dumps({"question": "Say lima?", "golden_answers": ["Lima"], "hops": 1})
+                  + "\n" + json.dumps({"question": "say Quito??", "golden_answers": ["x"],
+                                       "hops": 2}) + "\nnot json\n")
+  hops = evaluate.question_hops([str(path)])
+  results, m, _ = evaluate.evaluate(_Engine(), None, qs, hops=hops)
+  assert [r.hops for r in results] == [1, 2]
+  assert [r.em for r in results] == [1.0, 0.0]
+  assert m["eval/em/hops=1"] == 1.0 and m["eval/em/hops=2"] == 0.0
+  assert m["eval/search_calls_mean/hops=2"] == 2.0 and m["eval/f1"] == 0.5
+
+
+def test_pass_at_k():
+  assert evaluate.pass_at_k(4, 0, 2) == 0.0
+  assert evaluate.pass_at_k(4, 4, 1) == 1.0
+  assert evaluate.pass_at_k(4, 1, 1) == pytest.approx(0.25)
+  assert evaluate.pass_at_k(4, 1, 2) == pytest.approx(0.5)    # 1 - C(3,2)/C(4,2)
+  assert evaluate.pass_at_k(4, 3, 2) == 1.0
+  with pytest.raises(ValueError):
+    evaluate.pass_at_k(2, 1, 3)
+
+
+def test_select_spreads_over_the_list():
+  qs = list(range(10))
+  assert evaluate.select(qs, 0) == qs and evaluate.select(qs, 20) == qs
+  assert evaluate.select(qs, 2) == [0, 9]
+  sel = evaluate.select(["a"] * 50 + ["b"] * 50, 10)
+  assert len(sel) == 10 and sel.count("b") == 5
