@@ -3,7 +3,8 @@
   * :mod:`gigrl.search.base`: ``Passage``, ``Retriever``, ``SearchError``;
   * :mod:`gigrl.search.bm25`: ``BM25Retriever`` (in-process);
   * :mod:`gigrl.search.http_client`: ``HttpRetriever`` (Search-R1 protocol);
-  * :mod:`gigrl.search.resilient`: retries, failure policy, per-step cache;
+  * :mod:`gigrl.search.resilient`: retries, failure policy (``TooManySearchFailures``,
+    health check), per-step cache;
   * :mod:`gigrl.search.server`: ``gigrl-serve-retriever`` and ``serve_in_thread``;
   * :mod:`gigrl.search.config`: the ``search`` config section and ``make_retriever``.
 
@@ -13,10 +14,11 @@ server module is not imported here so ``python -m gigrl.search.server`` runs cle
 from gigrl.search.base import Passage, Retriever, SearchError
 from gigrl.search.config import default_config, make_retriever, validate
 from gigrl.search.http_client import HttpRetriever
-from gigrl.search.resilient import ResilientRetriever
+from gigrl.search.resilient import ResilientRetriever, TooManySearchFailures
 
 __all__ = ["Passage", "Retriever", "SearchError", "BM25Retriever", "HttpRetriever",
-           "ResilientRetriever", "default_config", "validate", "make_retriever"]
+           "ResilientRetriever", "TooManySearchFailures", "default_config", "validate",
+           "make_retriever"]
 
 
 def __getattr__(name):
