@@ -261,3 +261,30 @@ def test_splash_model_matches_xla_model(tokens):
   seg = (jnp.arange(12)[None] >= jnp.asarray([0, 3, 0])[:, None]).astype(jnp.int32)
   np.testing.assert_allclose(spl.hidden(tokens, segment_ids=seg),
                              xla.hidden(tokens, segment_ids=seg), atol=TOL)
+
+
+def test_check_tokenizer_refuses_a_vocabulary_of_another_model(tmp_path):
+  """The bundled 8k sentencepiece model with a Qwen-sized checkpoint, or a checkpoint
+  whose own tokenizer.json differs, is a ConfigError naming data.tokenizer."""
+  import json
+  from gigrl.data import tokenizer as tok_lib
+  from gigrl.models import check_tokenizer
+  from gigrl.testing import write_bpe_tokenizer
+  bundled = tok_lib.load("bundled")
+  qwen_like = _cfg(vocab_size=151936)
+  with pytest.raises(ConfigError, match="data.tokenizer.*8192 ids for a 151936-row"):
+    check_tokenizer(qwen_like, bundled)
+  check_tokenizer(_cfg(vocab_size=8192 + 64), bundled)     # padding rows are fine
+  with pytest.raises(ConfigError, match="at most the 512 ids"):
+    check_tokenizer(_cfg(), bundled)
+  # A checkpoint directory with its own tokenizer.json: only that tokenizer passes.
+  ckpt = tmp_path / "ckpt"
+  write_bpe_tokenizer(str(ckpt), vocab_size=600)
+  with open(ckpt / "config.json", "w") as f:
+    json.dump({"vocab_size": 640, "model_type": "qwen2"}, f)
+  check_tokenizer(str(ckpt), tok_lib.load(str(ckpt)))
+  other = write_bpe_tokenizer(str(tmp_path / "other"), vocab_size=600,
+                              texts=["<search> </search> <answer> </answer> x y z"] * 3
+                              + ["completely different training text 0123456789"] * 5)
+  with pytest.raises(ConfigError, match="checkpoint's own tokenizer"):
+    check_tokenizer(str(ckpt), tok_lib.load(other))

@@ -156,3 +156,18 @@ def test_from_hf_places_shards(mesh, reference, tmp_path, tokens):
   assert wq.addressable_shards[0].data.shape == (2, 64, 32)
   np.testing.assert_array_equal(wq, model.layers.wq[...])
   np.testing.assert_allclose(loaded(tokens), model(tokens), atol=2e-5)
+
+
+def test_auto_rollout_preset_shards_large_models(mesh):
+  """model.rollout_sharding=auto: a tiny model keeps a copy per TP group; Qwen2.5-3B
+  (12 GB in f32) is also split over fsdp, so no chip holds the whole model."""
+  assert default_config().rollout_sharding == "auto"
+  tiny = nnx.state(nnx.eval_shape(lambda: Transformer(CFG, rngs=nnx.Rngs(0))))
+  big = nnx.state(nnx.eval_shape(lambda: Transformer(PRESETS["qwen2.5-3b"],
+                                                     rngs=nnx.Rngs(0))))
+  assert shd.resolve_preset("auto", tiny) == "tp"
+  assert shd.resolve_preset("auto", big) == "fsdp_tp"
+  assert shd.resolve_preset("fsdp", big) == "fsdp"
+  sh = nnx.to_pure_dict(shd.param_shardings(big, mesh, "auto"))
+  assert sh["layers"]["w_up"].spec == P(None, "fsdp", "tp")
+  assert sh["embed"].spec == P("tp", "fsdp")

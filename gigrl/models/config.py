@@ -20,7 +20,7 @@ from gigrl.config_utils import ConfigError, UserError, check_choice, check_range
 
 DTYPES = ("float32", "bfloat16", "float16")
 TRAIN_SHARDINGS = ("replicated", "fsdp", "fsdp_tp", "tp")
-ROLLOUT_SHARDINGS = ("replicated", "tp", "fsdp_tp", "fsdp")
+ROLLOUT_SHARDINGS = ("auto", "replicated", "tp", "fsdp_tp", "fsdp")
 REMAT = ("none", "full", "dots")
 # "cpu": XLA:CPU paths (Python layer loop, per-layer decode buffers, row-major decode
 # attention); "accelerator": lax.scan over stacked layers and the stacked KV cache (what
@@ -189,7 +189,8 @@ def default_config() -> mlc.ConfigDict:
   # Mesh axis sizes; -1 on at most one axis = all remaining devices.
   c.mesh = mlc.ConfigDict(dict(data=1, fsdp=-1, tp=1))
   c.train_sharding = "fsdp"   # one of TRAIN_SHARDINGS
-  c.rollout_sharding = "tp"   # one of ROLLOUT_SHARDINGS
+  c.rollout_sharding = "auto"  # one of ROLLOUT_SHARDINGS; auto = tp up to 2 GiB of
+                               # parameters, else fsdp_tp (no full copy per chip)
   return c
 
 
@@ -350,3 +351,55 @@ def config_from_hf(path_or_config: str | dict, *, dtype: Any = "float32",
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       rope_scaling=scaling, dtype=dtype, param_dtype=param_dtype or dtype,
       max_position=hf.get("max_position_embeddings", 32768))
+
+
+# Embedding rows beyond the tokenizer's ids that HF checkpoints carry as padding
+# (Qwen2.5: 151,665 tokenizer ids, 151,936 / 152,064 embedding rows).
+VOCAB_PADDING_SLACK = 1024
+
+
+def check_tokenizer(hf_path_or_model_cfg: str | ModelConfig, tokenizer: Any, *,
+                    field: str = "data.tokenizer") -> None:
+  """Checks that `tokenizer` is the vocabulary the model was trained with.
+
+  With an HF checkpoint directory that ships `tokenizer.json`, the tokenizer must have
+  that file's vocabulary size and encode a probe text to the same ids. Otherwise (a
+  ModelConfig, or a checkpoint without tokenizer files) its vocabulary must cover the
+  embedding up to VOCAB_PADDING_SLACK padding rows: e.g. the bundled 8k sentencepiece
+  model with a Qwen2.5 checkpoint (151,936 rows) is refused, since every id would map
+  to an unrelated embedding.
+
+  Args:
+    hf_path_or_model_cfg: an HF checkpoint directory, or the model's ModelConfig.
+    tokenizer: has `vocab_size` and `encode(text) -> list[int]`.
+    field: the config field named in the error.
+  Raises:
+    ConfigError naming `field` when the tokenizer does not belong to the model.
+  """
+  if isinstance(hf_path_or_model_cfg, ModelConfig):
+    model_vocab, tok_json, where = hf_path_or_model_cfg.vocab_size, None, "the model"
+  else:
+    path = str(hf_path_or_model_cfg)
+    model_vocab = int(read_hf_config(path)["vocab_size"])
+    tok_json = os.path.join(path, "tokenizer.json")
+    tok_json = tok_json if os.path.exists(tok_json) else None
+    where = f"the checkpoint {path}"
+  n = int(tokenizer.vocab_size)
+  value = getattr(tokenizer, "path", None) or type(tokenizer).__name__
+  if n > model_vocab:
+    raise ConfigError(field, value, f"a tokenizer with at most the {model_vocab} ids of "
+                      f"{where}'s embedding (this one has {n})")
+  if tok_json is not None:
+    from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
+    own = Tokenizer.from_file(tok_json)
+    probe = "Who wrote <search> the Iliad? </search> Answer: Homer, 1984."
+    own_n = int(own.get_vocab_size(with_added_tokens=True))
+    same = own_n == n and (list(own.encode(probe, add_special_tokens=False).ids)
+                           == list(tokenizer.encode(probe)))
+    if not same:
+      raise ConfigError(field, value, f"the checkpoint's own tokenizer {tok_json} "
+                        f"({own_n} ids; this one has {n} ids or encodes differently): "
+                        f"set {field} to {os.path.dirname(tok_json)}")
+  elif n < model_vocab - VOCAB_PADDING_SLACK:
+    raise ConfigError(field, value, f"the tokenizer {where} was trained with (this one "
+                      f"has {n} ids for a {model_vocab}-row embedding)")

@@ -19,7 +19,8 @@ uses:
   final_norm              [D]              replicated
 
 Preset 'fsdp' drops the 'tp' entries, 'tp' drops the 'fsdp' entries, 'replicated'
-drops both. A dimension that the axis size does not divide is left unsharded. Batch
+drops both; 'auto' (the rollout default) is 'tp' for models up to 2 GiB of parameters
+and 'fsdp_tp' above, so a large policy is never copied whole onto every chip. A dimension that the axis size does not divide is left unsharded. Batch
 dimensions of activations, data and the KV cache go over ('data', 'fsdp').
 """
 from __future__ import annotations
@@ -36,7 +37,11 @@ from gigrl.models.transformer import KVCache
 
 AXES = ("data", "fsdp", "tp")
 BATCH = ("data", "fsdp")
-PRESET_NAMES = ("replicated", "fsdp", "fsdp_tp", "tp")
+PRESET_NAMES = ("replicated", "fsdp", "fsdp_tp", "tp", "auto")
+# "auto" (the rollout default): parameters up to this size keep a copy per TP group
+# ("tp"); larger models are also sharded over fsdp ("fsdp_tp"), so a 3B/7B policy is
+# never replicated on every chip of a tp = 1 mesh.
+AUTO_REPLICATE_MAX_BYTES = 2 << 30
 
 _F, _T = "fsdp", "tp"
 # Full ('fsdp_tp') specs per parameter name; presets mask axes out.
@@ -96,7 +101,8 @@ def fit_spec(spec: Sequence, shape: Sequence[int], mesh: Mesh) -> P:
 def param_spec(name: str, shape: Sequence[int], mesh: Mesh, preset: str) -> P:
   """PartitionSpec of parameter `name` (a key of the Transformer state) under `preset`."""
   if preset not in _KEEP:
-    raise ValueError(f"unknown sharding preset {preset!r}; one of {PRESET_NAMES}")
+    raise ValueError(f"unknown sharding preset {preset!r}; one of {PRESET_NAMES} "
+                     "('auto' only through param_shardings)")
   if name not in _FULL:
     raise KeyError(f"no sharding rule for parameter {name!r}")
   keep = _KEEP[preset]
@@ -112,8 +118,22 @@ def _leaf_name(path) -> str | None:
   return None
 
 
+def resolve_preset(preset: str, state: Any) -> str:
+  """`preset`, with "auto" -> "tp" when the parameters of `state` take at most
+  AUTO_REPLICATE_MAX_BYTES, else "fsdp_tp"."""
+  if preset != "auto":
+    return preset
+  total = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
+  return "tp" if total <= AUTO_REPLICATE_MAX_BYTES else "fsdp_tp"
+
+
 def param_shardings(state: Any, mesh: Mesh, preset: str) -> Any:
-  """Tree of NamedSharding matching `state` (an nnx.State, pure dict or abstract)."""
+  """Tree of NamedSharding matching `state` (an nnx.State, pure dict or abstract).
+
+  `preset` is one of PRESET_NAMES ("auto": `resolve_preset`).
+  """
+  preset = resolve_preset(preset, state)
+
   def one(path, x):
     return NamedSharding(mesh, param_spec(_leaf_name(path), x.shape, mesh, preset))
   return jax.tree_util.tree_map_with_path(one, state)
@@ -183,4 +203,4 @@ def mesh_from_config(cfg_model: Any, devices=None) -> Mesh:
 
 __all__ = ["AXES", "BATCH", "PRESET_NAMES", "make_mesh", "mesh_from_config",
            "param_spec", "param_shardings", "opt_state_shardings", "batch_sharding",
-           "cache_shardings", "shard_state", "init_sharded", "fit_spec"]
+           "cache_shardings", "shard_state", "init_sharded", "fit_spec", "resolve_preset"]
