@@ -254,8 +254,7 @@ def test_rollout_reproduces_a_demonstration(monkeypatch, tok):
 
 
 def test_engines_are_rollout_engines_and_make_engine_dispatches(tok):
-  cfg, graphdef, _ = testing.chatty_model(tok)
-  args = (cfg, graphdef, tok, FakeRetriever(), SETTINGS)
+  args = (_Cfg(), None, tok, FakeRetriever(), SETTINGS)     # constructors compile nothing
   host = engine_lib.make_engine("host_loop", *args)
   cb = engine_lib.make_engine("callback", *args, boundary="step")
   assert isinstance(host, host_loop.HostLoopEngine) and isinstance(cb, callback.CallbackEngine)

@@ -278,12 +278,18 @@ def test_scripted_multi_token_stops_bpe(bpe, monkeypatch):
   _check_scripted(engine, state, script, bpe, BPE_SETTINGS, monkeypatch)
 
 
-@pytest.mark.parametrize("n_dev,boundary", [(1, "turn"), (2, "step")])
-def test_greedy_equals_host_loop_bpe(bpe, questions, n_dev, boundary):
+@pytest.fixture(scope="module")
+def bpe_reference(bpe, questions):
   cfg, graphdef, state = testing.chatty_model(bpe, seed=0, search_bias=2.0)
   ref_retriever = FakeRetriever()
   ref, _ = host_loop.HostLoopEngine(cfg, graphdef, bpe, ref_retriever, BPE_SETTINGS).run(
       state, questions, jax.random.key(0))
+  return (cfg, graphdef, state), ref, ref_retriever
+
+
+@pytest.mark.parametrize("n_dev,boundary", [(1, "turn"), (2, "step")])
+def test_greedy_equals_host_loop_bpe(bpe, questions, bpe_reference, n_dev, boundary):
+  (cfg, graphdef, state), ref, ref_retriever = bpe_reference
   assert not all(all(v) for v in ref.action_valid)
   retriever = FakeRetriever()
   engine = callback.CallbackEngine(cfg, graphdef, bpe, retriever, BPE_SETTINGS,

@@ -1,6 +1,10 @@
 """HF `tokenizer.json` tokenizers (Qwen2.5, Llama 3) behind gigrl's Tokenizer interface.
 
-Uses the `tokenizers` library only (no transformers). The chat template is applied
+Uses the `tokenizers` library only (no transformers), with the vocabulary as shipped: no
+tokens are added for the Search-R1 tags, which a byte-level BPE splits into several tokens
+(`</search>` -> `</`, `search`, `>`); the rollout stops on those sequences
+(`gigrl.rollout.turns.stop_sequences`) and parses the tags in the decoded text. The chat
+template is applied
 the way Search-R1 does it (`tokenizer.apply_chat_template([{"role": "user",
 "content": prompt}], add_generation_prompt=True, tokenize=False)`):
 

@@ -1,8 +1,9 @@
 """Tokenizers: a sentencepiece model trained on the bundled corpus, and the common interface.
 
-The Search-R1 tags (``<search>``, ``</search>``, ``<information>``, ``</information>``,
-``<answer>``, ``</answer>``, ``<think>``, ``</think>``) are single pieces
-(sentencepiece ``user_defined_symbols``), so a stop tag is one token id.
+In the bundled model the Search-R1 tags (:data:`gigrl.tags.TAGS`) are single pieces
+(sentencepiece ``user_defined_symbols``). Nothing depends on that: the rollout stops on a tag's
+token sequences, whatever their length (``gigrl.rollout.turns.stop_sequences``), so HF
+tokenizers, in which ``</search>`` is several tokens, are used as they ship.
 
 The model file ships in the package (``gigrl/data/files/spm_searchr1.model``); rebuild it with
 ``python -m gigrl.data.tokenizer --out gigrl/data/files/spm_searchr1.model``.
@@ -27,7 +28,11 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 
 class Tokenizer(Protocol):
-  """What the rollout and trainer need from a tokenizer."""
+  """What the rollout and trainer need from a tokenizer.
+
+  ``decode`` drops special tokens (pad, EOS, chat markers). A tokenizer may also have
+  ``eos_ids`` (every id that ends a generation; default ``[eos_id]``).
+  """
   vocab_size: int
   pad_id: int
   eos_id: int

@@ -35,16 +35,6 @@ def parse_action(response: str) -> tuple[str, str]:
   return m.group(1), m.group(2).strip()
 
 
-def truncate_at_action(response: str) -> str:
-  """Cuts a turn at the first ``</search>``, else the first ``</answer>`` (Search-R1
-  ``_postprocess_responses``)."""
-  for tag in (SEARCH_END, ANSWER_END):
-    i = response.find(tag)
-    if i >= 0:
-      return response[:i + len(tag)]
-  return response
-
-
 def format_passages(contents: Sequence[str]) -> str:
   """``Doc i(Title: T) text`` lines, as Search-R1 ``_passages2string``."""
   out = []
