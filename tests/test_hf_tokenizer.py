@@ -72,3 +72,22 @@ def test_pad(tok_dir):
     tok.pad([[1, 2, 3]], 2)
   with pytest.raises(FileNotFoundError):
     HFTokenizer(str(tok_dir / "nope"))
+
+
+def test_testing_qwen2_style_bpe(tmp_path):
+  """gigrl.testing.write_bpe_tokenizer: Qwen2 split + ByteLevel, ChatML template, tags of
+  several tokens, lossless round trips of the protocol texts."""
+  from gigrl import tags, testing
+  from gigrl.rollout import protocol
+  tok = HFTokenizer(testing.write_bpe_tokenizer(str(tmp_path / "bpe"), vocab_size=512))
+  assert tok.vocab_size == 512
+  assert [tok.tok.id_to_token(i) for i in tok.encode("</search>")] == ["</", "search", ">"]
+  assert all(len(tok.encode(t)) > 1 for t in tags.TAGS)
+  assert tok.apply_chat_template("Q") == (
+      "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nQ"
+      "<|im_end|>\n<|im_start|>assistant\n")
+  assert tok.eos_id == tok.token_id("<|im_end|>") and tok.pad_id == tok.token_id("<|endoftext|>")
+  assert tok.eos_ids == sorted([tok.eos_id, tok.pad_id])
+  for text in (protocol.make_prompt("Who wrote Hamlet"), tags.INVALID_ACTION_MSG,
+               protocol.format_observation('Doc 1(Title: "Zürich") Ünïcödé — 東京\n')):
+    assert tok.decode(tok.encode(text)) == text
