@@ -109,7 +109,10 @@ def format_samples(step: int, questions: Sequence[str], golden: Sequence[Sequenc
 
 
 PLOT_KEYS = ("reward_mean", "search_calls_mean", "zero_variance_frac", "loss", "kl",
-             "entropy", "train/tokens_per_s", "rollout/tokens_per_s")
+             "entropy", "train/tokens_per_s", "rollout/tokens_per_s",
+             # held-out evaluation (train.eval_every): ``phase: "eval"`` lines; the EM and
+             # search-call panels add a curve per hops subset (``eval/em/hops=<k>``)
+             "eval/em", "eval/f1", "eval/search_calls_mean", "eval/answered_frac")
 
 
 def plot_metrics(workdir: str | epath.PathLike, keys: Sequence[str] = PLOT_KEYS) -> str | None:
@@ -131,7 +134,17 @@ def plot_metrics(workdir: str | epath.PathLike, keys: Sequence[str] = PLOT_KEYS)
   sft_end = max((r["step"] for r in rows if r.get("phase") == "sft"), default=None)
   for ax, k in zip(axes.flat, keys):
     pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
-    ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2)
+    marker = "o" if k.startswith("eval/") else None
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1.2, marker=marker, ms=3,
+            label="all" if k.startswith("eval/") else None)
+    if k in ("eval/em", "eval/search_calls_mean"):
+      subs = sorted({s for r in rows for s in r if s.startswith(k + "/hops=")})
+      for s in subs:
+        sp = [(r["step"], r[s]) for r in rows if isinstance(r.get(s), (int, float))]
+        ax.plot([p[0] for p in sp], [p[1] for p in sp], lw=1, marker=".", ms=3,
+                label=s[len(k) + 1:])
+      if subs:
+        ax.legend(fontsize=7)
     if sft_end is not None:
       ax.axvspan(0, sft_end, color="0.9", lw=0)
     ax.set_title(k, fontsize=9)
