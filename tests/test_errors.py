@@ -190,3 +190,27 @@ def test_user_error_found_as_a_cause():
   except RuntimeError as e:
     assert isinstance(train._cause_of_type(e, (UserError, SearchError)), SearchError)
   assert train._cause_of_type(RuntimeError("bug"), (UserError, SearchError)) is None
+
+
+class _DeadInner:
+  """An inner retriever whose every call fails like a server that is down."""
+
+  def search(self, queries, topk):
+    raise SearchError("http://127.0.0.1:9/retrieve", "connection failed", retryable=True)
+
+
+def test_sft_demonstrations_are_not_built_on_failed_searches():
+  # on_failure=empty with the server down: the demonstrations' one batched search fails
+  # (100% of the queries), which passes search.max_failure_frac and stops the run.
+  from gigrl.data import tokenizer as tok_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.rollout import demos  # pylint: disable=import-outside-toplevel
+  from gigrl.rollout import engine as engine_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.search import resilient  # pylint: disable=import-outside-toplevel
+  questions = qa.load_bundled_questions()[:4]
+  settings = engine_lib.RolloutSettings(max_turns=2, max_new_tokens=48, max_obs_tokens=80,
+                                       max_prompt_tokens=256, topk_docs=2)
+  retriever = resilient.ResilientRetriever(_DeadInner(), max_retries=0, on_failure="empty",
+                                           max_failure_frac=0.5)
+  with pytest.raises(resilient.TooManySearchFailures, match="4 of 4 search queries"):
+    demos.build_demonstrations(questions, tok_lib.SentencePieceTokenizer(), retriever,
+                               settings)
