@@ -146,7 +146,7 @@ def build_corpus(countries: dict[str, Country]) -> list[dict]:
                          else f"{n} has no land border with another country."))
     size = (f"{n} has an area of {c.area_km2:,} square kilometres" if c.area_km2
             else f"The area of {n} is not known")
-    pop = (f" and a population of {c.population:,}." if c.population
+    pop = (f" and a population of {c.population:,} people." if c.population
            else " and it has no permanent population.")
     docs.append(_passage(iso, "size", n, size + pop))
   return docs
@@ -165,7 +165,7 @@ ONE_HOP_TEMPLATES = {
     "currency_code": ["What is the currency code of {e}?", "Which currency code does {e} use?",
                       "What is the ISO code of the currency of {e}?"],
     "population": ["What is the population of {e}?", "How many people live in {e}?",
-                   "How many inhabitants does {e} have?"],
+                   "How many people does {e} have?"],
     "area": ["What is the area of {e} in square kilometres?",
              "How many square kilometres does {e} cover?",
              "How large is {e} in square kilometres?"],
