@@ -100,9 +100,9 @@ def similarity_anchor_ids(observations: Sequence[Sequence[Sequence[str]]],
   """Greedy similarity grouping (verl-agent ``enable_similarity=True``).
 
   Same clusters as the plain greedy scan (see :func:`similarity_clusters` for
-  the exact shortcuts that make it fast); about 0.5 s on one core at
-  512 x 5 x 5 Search-R1 observations of three passages (``benchmarks/
-  similarity.py``; the plain scan takes about 1 min).
+  the exact shortcuts that make it fast): about 0.7 CPU seconds at
+  512 x 5 x 5 Search-R1 observations of three passages, where the plain scan
+  takes 73 s (``benchmarks/similarity.py``).
 
   Args:
     observations: nested ``[P][G][T]`` lists of text observations; ``None``
