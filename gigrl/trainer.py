@@ -13,6 +13,7 @@ CPU (see docs/architecture.md, "Resume").
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -33,6 +34,7 @@ from gigrl import rl_batch
 from gigrl import search as search_lib
 from gigrl import train_state as state_lib
 from gigrl.data import pool as pool_lib
+from gigrl.data import qa as qa_lib
 from gigrl.rollout import demos as demos_lib
 from gigrl.rollout import trajectory as traj_lib
 
@@ -145,11 +147,14 @@ class Trainer:
     sft_steps, total = cfg.train.sft_steps, cfg.train.sft_steps + cfg.train.num_steps
     self._restore()
     start = self.state.step
-    self.out.truncate_metrics_after(start)
+    # a fresh start (no checkpoint) drops every old line, a step-0 eval line included
+    self.out.truncate_metrics_after(start if start else -1)
     bar = tqdm(total=total, initial=start, desc="gigrl", unit="step", dynamic_ncols=True)
     try:
       with _StopSignals() as stop:
         demos = self._demonstrations() if start < sft_steps else None
+        if start == 0 and self._eval_due(0):       # no SFT: evaluate the initial policy
+          self._periodic_eval(0)
         for step in range(start + 1, total + 1):
           if step <= sft_steps:
             record = self._sft_step(step, demos)
@@ -161,6 +166,8 @@ class Trainer:
           nonfinite_in_a_row = record.pop("_nonfinite_consecutive", 0)
           self.out.write_metrics(record)
           self._check_finite(step, nonfinite_in_a_row, record)
+          if self._eval_due(step):      # before the checkpoint, so a resume never misses it
+            self._periodic_eval(step)
           bar.update(1)
           bar.set_postfix({k: f"{record[k]:.3g}" for k in ("loss", "reward_mean")
                            if isinstance(record.get(k), float)})
@@ -317,16 +324,63 @@ class Trainer:
                            [float(rewards[i]) for i in rows], texts,
                            [int(batch.search_calls[i]) for i in rows])
 
-  def _final_eval(self, step: int) -> None:
-    """Greedy rollouts on held-out questions; writes eval.json and a sample file."""
-    qs = self.data.eval[:self.cfg.train.eval_questions]
-    if not qs:
-      return
-    engine = build.build_engine(self.cfg, self.policy, self.tokenizer, self.retriever,
-                                greedy=True)
+  # ------------------------------------------------------------------ evaluation
+  def _eval_questions(self) -> list[Any]:
+    """The held-out questions every evaluation of the run uses (spread over the sorted eval
+    split, so each data source and hops count keeps its share)."""
+    return evaluate_lib.select(self.data.eval, self.cfg.train.eval_questions)
+
+  def _eval_due(self, step: int) -> bool:
+    """``train.eval_every``: the params after ``step`` are evaluated at the start of RL (the
+    last SFT step, or step 0), every ``eval_every`` RL steps after it, and at the last step."""
+    t = self.cfg.train
+    if not (t.eval_every and t.eval_questions and self.data.eval):
+      return False
+    rl = step - t.sft_steps
+    return rl >= 0 and (rl % t.eval_every == 0 or rl == t.num_steps)
+
+  def _evaluate(self, step: int):
+    """Greedy rollouts of the current params on :meth:`_eval_questions` (cached per step)."""
+    if getattr(self, "_last_eval", (None,))[0] == step:
+      return self._last_eval
+    if getattr(self, "_eval_engine", None) is None:
+      self._eval_engine = build.build_engine(self.cfg, self.policy, self.tokenizer,
+                                             self.retriever, greedy=True)
+      d = self.cfg.data
+      files = ([d.questions_file] if d.questions_file else
+               [os.path.join(qa_lib.bundled_dir(), f) for f in qa_lib.BUNDLED_QUESTION_FILES])
+      self._hops = evaluate_lib.question_hops(files)
+    qs = self._eval_questions()
+    t0 = time.perf_counter()
     results, metrics, batch = evaluate_lib.evaluate(
-        engine, self.policy.rollout_params(self.state.params), qs, jax.random.key(0))
+        self._eval_engine, self.policy.rollout_params(self.state.params), qs,
+        jax.random.key(0), hops=self._hops)
+    self._last_eval = (step, qs, results, {**metrics, "eval/time_s":
+                                           time.perf_counter() - t0}, batch)
+    return self._last_eval
+
+  def _periodic_eval(self, step: int) -> None:
+    """One ``phase: "eval"`` line in metrics.jsonl (``step`` = updates done)."""
+    _, qs, results, metrics, batch = self._evaluate(step)
+    self.out.write_metrics({"step": step, "phase": "eval", **metrics})
+    self._write_samples(f"eval_{step:06d}.txt", step, batch, qs, [r.em for r in results],
+                        n=8, g=1)
+    _log(f"step {step}: held-out EM {metrics['eval/em']:.3f} "
+         f"(F1 {metrics['eval/f1']:.3f}, {metrics['eval/search_calls_mean']:.2f} searches)")
+
+  def _final_eval(self, step: int) -> None:
+    """Greedy rollouts on held-out questions; writes eval.json and a sample file, and prints
+    held-out EM at the start of RL and now when periodic evaluation ran."""
+    if not self._eval_questions():
+      return
+    _, qs, results, metrics, batch = self._evaluate(step)
     self.out.write_json("eval.json", {"step": step, **metrics})
     self._write_samples("eval_samples.txt", step, batch, qs, [r.em for r in results], n=8,
                         g=1)
     _log(f"eval on {len(qs)} held-out questions: EM {metrics['eval/em']:.3f}")
+    start = [r for r in (metrics_lib.read_metrics(self.out.metrics_path)
+                         if self.out.enabled and self.out.metrics_path.exists() else [])
+             if r.get("phase") == "eval" and r["step"] == self.cfg.train.sft_steps]
+    if start and step > self.cfg.train.sft_steps:
+      _log(f"held-out EM: {start[-1]['eval/em']:.3f} at the start of RL (step "
+           f"{start[-1]['step']}) -> {metrics['eval/em']:.3f} at step {step}")
