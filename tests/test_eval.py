@@ -121,3 +121,59 @@ def test_select_spreads_over_the_list():
   assert evaluate.select(qs, 2) == [0, 9]
   sel = evaluate.select(["a"] * 50 + ["b"] * 50, 10)
   assert len(sel) == 10 and sel.count("b") == 5
+
+
+# ------------------------------------------------------------------ train.eval_every (slow)
+import os       # noqa: E402
+import shutil   # noqa: E402
+import subprocess  # noqa: E402
+import sys      # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--config.train.sft_steps=2", "--config.train.num_steps=3",
+        "--config.data.max_train_questions=8", "--config.data.prompts_per_step=2",
+        "--config.data.group_size=2", "--config.model.preset=tiny",
+        "--config.rollout.max_new_tokens=16", "--config.rollout.max_obs_tokens=64",
+        "--config.train.sft_batch_size=4", "--config.train.eval_questions=4",
+        "--config.train.eval_every=2", "--config.checkpoint.every_steps=2",
+        "--config.checkpoint.keep=3", "--config.data.pool.rule=grpo"]
+
+
+def _train(workdir):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run([sys.executable, "-m", "gigrl.train", "--config",
+                         os.path.join(ROOT, "configs/smoke.py"), "--workdir", str(workdir),
+                         *TINY], capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return proc.stderr
+
+
+def _lines(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  return [{k: v for k, v in r.items() if not k.endswith(("_s", "tokens_per_s"))} for r in rows]
+
+
+@pytest.mark.slow
+def test_eval_every_lines_and_exact_resume(tmp_path):
+  """Eval lines at the start of RL (step 2), every 2 RL steps (4) and at the end (5); a run
+  resumed from the step-2 checkpoint rewrites the same metrics.jsonl (eval lines included)."""
+  workdir = tmp_path / "run"
+  err = _train(workdir)
+  rows = _lines(workdir)
+  assert [(r["step"], r["phase"]) for r in rows] == [
+      (1, "sft"), (2, "sft"), (2, "eval"), (3, "rl"), (4, "rl"), (4, "eval"), (5, "rl"),
+      (5, "eval")]
+  for r in rows:
+    if r["phase"] == "eval":
+      assert r["eval/n"] == 4 and {"eval/em", "eval/f1", "eval/search_calls_mean",
+                                   "eval/answered_frac", "eval/invalid_frac"} <= set(r)
+  assert "held-out EM:" in err and "at the start of RL (step 2)" in err
+  ev = json.load(open(workdir / "eval.json"))
+  assert ev["eval/em"] == rows[-1]["eval/em"] and ev["step"] == 5
+  assert os.path.exists(workdir / "samples" / "eval_000004.txt")
+  for step in ("4", "5"):                      # as if killed right after step 2's checkpoint
+    shutil.rmtree(workdir / "checkpoints" / step)
+  _train(workdir)
+  assert _lines(workdir) == rows
