@@ -75,3 +75,21 @@ def test_all_estimators_compose_in_training_with_callback_engine(tmp_path):
   rl = [r for r in rows if r["phase"] == "rl"]
   assert len(rl) == 2
   assert all("strat/cross_stratum_bias" in r and "hadw/anchor" in r for r in rl)
+
+
+def test_nonfinite_updates_are_skipped_counted_and_stop_the_run(tmp_path):
+  # lr 1e30: the first update sends the params to ~1e30, the next losses are not finite.
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run(
+      [sys.executable, "-m", "gigrl.train", "--config", os.path.join(ROOT, "configs/smoke.py"),
+       "--workdir", str(tmp_path), *TINY, "--config.train.sft_steps=6",
+       "--config.train.num_steps=0", "--config.train.sft_learning_rate=1e30",
+       "--config.train.max_consecutive_nonfinite=2", "--config.train.eval_questions=0"],
+      capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert "consecutive updates had a non-finite loss or gradient norm" in proc.stderr
+  rows = _metrics(tmp_path)
+  skipped = [r["train/nonfinite_updates"] for r in rows]
+  assert skipped[0] == 0 and skipped[-1] == 2 and len(rows) < 6, skipped
+  assert "Traceback" not in proc.stderr
