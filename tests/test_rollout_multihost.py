@@ -1,11 +1,13 @@
 """Both rollout engines on 2 processes x 2 CPU devices (gloo collectives) against 1 process x 4.
 
-Each process passes its own 4 of the 8 questions. Checked: the rows each process gets back equal
-the matching rows of a 1-process x 4-device run (greedy decoding, so the two runs must agree
-token for token), and each process's retriever was asked only for its own rows' queries.
+Each process passes its own 4 of the 8 questions and searches through the HTTP backend
+(``HttpRetriever``) of one Search-R1 server that the test runs. Checked: the rows each process
+gets back equal the matching rows of a 1-process x 4-device run (greedy decoding, so the two
+runs must agree token for token); each process sent only its own rows' queries, and the server
+received exactly the reference run's queries.
 
 Run as a script, this file is the worker: ``python tests/test_rollout_multihost.py OUT NPROC
-PROC_ID PORT`` (NPROC=1: the single-process reference on 4 devices).
+PROC_ID PORT URL`` (NPROC=1: the single-process reference on 4 devices).
 """
 import json
 import os
@@ -19,7 +21,24 @@ GLOBAL_ROWS = 8
 ENGINES = ("host_loop", "callback")
 
 
-def worker(out: str, nproc: int, proc_id: int, port: int) -> None:
+class _Counting:
+  """Records the queries a process sends through its retriever."""
+
+  def __init__(self, inner):
+    self.inner, self.queries = inner, []
+
+  def search(self, queries, topk):
+    self.queries += list(queries)
+    return self.inner.search(queries, topk)
+
+  def new_step(self):
+    self.inner.new_step()
+
+  def metrics(self):
+    return self.inner.metrics()
+
+
+def worker(out: str, nproc: int, proc_id: int, port: int, url: str) -> None:
   import jax  # pylint: disable=import-outside-toplevel
   if nproc > 1:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -31,6 +50,7 @@ def worker(out: str, nproc: int, proc_id: int, port: int) -> None:
   from gigrl.data import tokenizer as tok_lib  # pylint: disable=import-outside-toplevel
   from gigrl.models import sharding as sharding_lib  # pylint: disable=import-outside-toplevel
   from gigrl.rollout import engine as engine_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.search import HttpRetriever  # pylint: disable=import-outside-toplevel
 
   assert jax.device_count() == 4 and jax.process_count() == nproc
   tok = tok_lib.SentencePieceTokenizer()
@@ -44,7 +64,7 @@ def worker(out: str, nproc: int, proc_id: int, port: int) -> None:
   mine = questions[proc_id * per:(proc_id + 1) * per]
   result = {}
   for kind in ENGINES:
-    retriever = testing.FakeRetriever()
+    retriever = _Counting(HttpRetriever(url, timeout_s=60))
     engine = engine_lib.make_engine(kind, cfg, graphdef, tok, retriever, settings, mesh=mesh)
     with jax.set_mesh(mesh):
       batch, metrics = engine.run(params, mine, jax.random.key(0))
@@ -52,7 +72,7 @@ def worker(out: str, nproc: int, proc_id: int, port: int) -> None:
         "tokens": batch.tokens.tolist(), "loss_mask": batch.loss_mask.tolist(),
         "step_ids": batch.step_ids.tolist(), "lengths": batch.lengths.tolist(),
         "search_calls": batch.search_calls.tolist(), "generated_text": batch.generated_text,
-        "anchors": batch.anchors, "queries": sum(retriever.calls, []),
+        "anchors": batch.anchors, "queries": retriever.queries,
         "generated_tokens": metrics["rollout/generated_tokens"]}
   with open(out, "w") as f:
     json.dump(result, f)
@@ -66,14 +86,14 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _launch(tmp_path, nproc: int) -> list[dict]:
+def _launch(tmp_path, nproc: int, url: str) -> list[dict]:
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"--xla_force_host_platform_device_count={4 // nproc}")
   port = _free_port()
   outs = [str(tmp_path / f"n{nproc}_p{i}.json") for i in range(nproc)]
-  procs = [subprocess.Popen([sys.executable, __file__, outs[i], str(nproc), str(i), str(port)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(nproc)]
+  procs = [subprocess.Popen(
+      [sys.executable, __file__, outs[i], str(nproc), str(i), str(port), url], env=env,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(nproc)]
   logs = [p.communicate(timeout=600)[0] for p in procs]
   for i, p in enumerate(procs):
     assert p.returncode == 0, f"process {i} of {nproc} failed:\n{logs[i][-4000:]}"
@@ -84,10 +104,25 @@ def _launch(tmp_path, nproc: int) -> list[dict]:
   return results
 
 
+@pytest.fixture()
+def server():
+  from gigrl.search import server as server_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.testing import FakeRetriever  # pylint: disable=import-outside-toplevel
+  backend = FakeRetriever()
+  srv, url = server_lib.serve_in_thread(backend)
+  yield backend, url
+  srv.shutdown()
+  srv.server_close()
+
+
 @pytest.mark.slow
-def test_two_processes_equal_one_process(tmp_path):
-  (ref,) = _launch(tmp_path, 1)
-  parts = _launch(tmp_path, 2)
+def test_two_processes_equal_one_process(tmp_path, server):
+  backend, url = server
+  (ref,) = _launch(tmp_path, 1, url)
+  assert sorted(sum(backend.calls, [])) == sorted(
+      ref["host_loop"]["queries"] + ref["callback"]["queries"])
+  backend.calls.clear()
+  parts = _launch(tmp_path, 2, url)
   per = GLOBAL_ROWS // 2
   for kind in ENGINES:
     r = ref[kind]
@@ -98,11 +133,14 @@ def test_two_processes_equal_one_process(tmp_path):
       for field in ("tokens", "loss_mask", "step_ids", "lengths", "search_calls",
                     "generated_text", "anchors"):
         assert got[field] == r[field][rows], (kind, p, field)
-      # This process's retriever saw exactly its rows' queries.
+      # This process sent exactly its rows' queries.
       own = sorted(q for texts in r["generated_text"][rows] for q in _queries(texts))
       assert sorted(got["queries"]) == own, (kind, p)
     assert sorted(parts[0][kind]["queries"] + parts[1][kind]["queries"]) == sorted(r["queries"])
-    assert ref["host_loop"]["tokens"] == ref["callback"]["tokens"]
+  # The server got each query once, from the process that owns its row.
+  assert sorted(sum(backend.calls, [])) == sorted(
+      q for part in parts for kind in ENGINES for q in part[kind]["queries"])
+  assert ref["host_loop"]["tokens"] == ref["callback"]["tokens"]
 
 
 def _queries(texts: list[str], max_turns: int = 2) -> list[str]:
@@ -113,4 +151,4 @@ def _queries(texts: list[str], max_turns: int = 2) -> list[str]:
 
 
 if __name__ == "__main__":
-  worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+  worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
