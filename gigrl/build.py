@@ -31,7 +31,7 @@ from gigrl import advantages as adv_lib
 from gigrl import loss as loss_lib
 from gigrl import models
 from gigrl import update as update_lib
-from gigrl.config_utils import ConfigError
+from gigrl.config_utils import ConfigError, get_field
 from gigrl.data import qa
 from gigrl.data import tfds_qa
 from gigrl.data import tokenizer as tok_lib
@@ -172,9 +172,24 @@ def check_rows_fit_mesh(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh)
                       f"data.prompts_per_step × data.group_size (= {p} × {g} = {p * g} rows "
                       f"per RL step) divisible by the mesh's data × fsdp = {n} (mesh "
                       f"{shape}); change either field or model.mesh")
+  mini, micro = ppo_rows(cfg)
+  for field, rows in (("train.ppo_mini_batch_size", mini), ("train.micro_batch_size", micro)):
+    if cfg.train.num_steps and rows % n:
+      raise ConfigError(field, get_field(cfg, field),
+                        f"a value whose rows ({rows}) are divisible by the mesh's data × fsdp "
+                        f"= {n} (mesh {shape})")
   if cfg.train.sft_steps and int(cfg.train.sft_batch_size) % n:
     raise ConfigError("train.sft_batch_size", int(cfg.train.sft_batch_size),
                       f"a multiple of the mesh's data × fsdp = {n} (mesh {shape})")
+
+
+def ppo_rows(cfg: ml_collections.ConfigDict) -> tuple[int, int]:
+  """(rows per PPO mini-batch, rows per gradient micro-batch) of an RL step:
+  ``train.ppo_mini_batch_size`` prompts × ``data.group_size`` (0 = all ``data.prompts_per_step``)
+  and ``train.micro_batch_size`` rows (0 = the whole mini-batch)."""
+  g = int(cfg.data.group_size)
+  mini = (int(cfg.train.ppo_mini_batch_size) or int(cfg.data.prompts_per_step)) * g
+  return mini, int(cfg.train.micro_batch_size) or mini
 
 
 def put_rows(mesh: jax.sharding.Mesh, x: np.ndarray) -> jax.Array:
@@ -197,8 +212,13 @@ class Steps:
     sft_tx, rl_tx: the SFT and RL optimizers (one state structure).
     opt_sh: shardings of the optimizer state.
     sft_step: ``(params, opt_state, tokens, loss_mask)``.
-    rl_step: ``(params, opt_state, ref_params, tokens, loss_mask, token_advantages)``.
+    rl_step: ``(params, opt_state, ref_params, tokens, loss_mask, token_advantages)``: one
+      on-policy update (old log-probs = current).
     init_opt: ``tx -> params -> opt_state`` on ``opt_sh``.
+    ppo_step: ``micro_batches -> step(params, opt_state, ref_params, tokens, loss_mask,
+      token_advantages, old_logprobs)`` (one mini-batch update, gradient accumulation;
+      :func:`gigrl.update.make_ppo_step`), compiled once per micro-batch count.
+    logprob_step: ``(params, tokens, loss_mask) -> old log-probs f32[B, K]``.
   """
   sft_tx: optax.GradientTransformation
   rl_tx: optax.GradientTransformation
@@ -206,6 +226,8 @@ class Steps:
   sft_step: Callable
   rl_step: Callable
   init_opt: Callable
+  ppo_step: Callable = None
+  logprob_step: Callable = None
 
 
 def in_mesh(fn: Callable, mesh: jax.sharding.Mesh) -> Callable:
@@ -226,7 +248,8 @@ def build_steps(cfg: ml_collections.ConfigDict, policy: Policy) -> Steps:
   """The SFT and RL optimizers and jitted steps (RL: :func:`gigrl.update.rl_loss`, i.e.
   :func:`gigrl.loss.ppo_loss` with the ``loss`` section's options)."""
   sft_tx = update_lib.optimizer_from_config(cfg.train, "sft")
-  rl_tx = update_lib.optimizer_from_config(cfg.train, "rl")
+  rl_tx = update_lib.optimizer_from_config(cfg.train, "rl",
+                                           num_prompts=int(cfg.data.prompts_per_step))
   opt_sh = sharding_lib.opt_state_shardings(jax.eval_shape(sft_tx.init, policy.params),
                                             policy.params, policy.mesh, policy.train_preset)
   repl = NamedSharding(policy.mesh, P())
@@ -244,9 +267,19 @@ def build_steps(cfg: ml_collections.ConfigDict, policy: Policy) -> Steps:
   def init_opt(tx, params):
     return in_mesh(jax.jit(tx.init, out_shardings=opt_sh), policy.mesh)(params)
 
+  @functools.lru_cache(maxsize=None)
+  def ppo_step(micro_batches: int):
+    return in_mesh(update_lib.make_ppo_step(
+        policy.graphdef, rl_tx, micro_batches=micro_batches,
+        loss_options=loss_lib.kwargs_from_config(cfg.loss),
+        in_shardings=(policy.param_sh, opt_sh, policy.param_sh, None, None, None, None),
+        out_shardings=out_sh, **kw), policy.mesh)
+
+  logprob_step = in_mesh(jax.jit(update_lib.logprob_fn(policy.graphdef, **kw),
+                                 in_shardings=(policy.param_sh, None, None)), policy.mesh)
   return Steps(sft_tx=sft_tx, rl_tx=rl_tx, opt_sh=opt_sh,
                sft_step=in_mesh(sft_step, policy.mesh), rl_step=in_mesh(rl_step, policy.mesh),
-               init_opt=init_opt)
+               init_opt=init_opt, ppo_step=ppo_step, logprob_step=logprob_step)
 
 
 # ------------------------------------------------------------------------------ advantages

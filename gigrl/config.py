@@ -52,7 +52,17 @@ def train_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.num_steps = 100            # RL steps
   c.learning_rate = 1e-6
-  c.warmup_steps = 0
+  # Learning-rate schedule, verl actor ``optim.*`` names (gigrl.update.lr_schedule), in RL steps:
+  c.lr_warmup_steps = 0        # > 0: warm-up steps; 0: int(lr_warmup_steps_ratio * num_steps)
+  c.lr_warmup_steps_ratio = 0.0
+  c.lr_scheduler_type = "constant"   # constant | cosine (after the warm-up)
+  c.min_lr_ratio = 0.0         # cosine floor, as a fraction of learning_rate
+  c.num_cycles = 0.5           # cosine cycles over the decay (0.5 = half a cosine, to the floor)
+  # PPO updates per RL step as verl runs them (gigrl.update.ppo_update):
+  c.ppo_mini_batch_size = 0    # prompts (groups) per mini-batch, verl's unit; 0 = all P
+  c.ppo_epochs = 1             # passes over the step's rows
+  c.micro_batch_size = 0       # rows per gradient-accumulation micro-batch; 0 = the mini-batch
+  c.shuffle = True             # permute rows each epoch (seed, step, epoch) with > 1 mini-batch
   c.weight_decay = 0.01
   c.b1, c.b2 = 0.9, 0.999
   c.grad_clip = 1.0
@@ -146,7 +156,26 @@ def _validate_train(cfg):
   check_range(cfg, "train.num_steps", 0, integer=True)
   check_range(cfg, "train.learning_rate", 0.0, lo_open=True)
   check_range(cfg, "train.sft_learning_rate", 0.0, lo_open=True)
-  check_range(cfg, "train.warmup_steps", 0, integer=True)
+  check_range(cfg, "train.lr_warmup_steps", 0, integer=True)
+  check_range(cfg, "train.lr_warmup_steps_ratio", 0.0, 1.0)
+  check_choice(cfg, "train.lr_scheduler_type", ("constant", "cosine"))
+  check_range(cfg, "train.min_lr_ratio", 0.0, 1.0)
+  check_range(cfg, "train.num_cycles", 0.0, lo_open=True)
+  check_range(cfg, "train.ppo_mini_batch_size", 0, integer=True)
+  check_range(cfg, "train.ppo_epochs", 1, integer=True)
+  check_range(cfg, "train.micro_batch_size", 0, integer=True)
+  check_choice(cfg, "train.shuffle", (True, False))
+  p, g = int(get_field(cfg, "data.prompts_per_step")), int(get_field(cfg, "data.group_size"))
+  mini = int(get_field(cfg, "train.ppo_mini_batch_size")) or p
+  if p % mini:
+    raise ConfigError("train.ppo_mini_batch_size", mini,
+                      f"a divisor of data.prompts_per_step = {p} (prompts per PPO mini-batch; "
+                      "0 = all)")
+  micro = int(get_field(cfg, "train.micro_batch_size"))
+  if micro and (mini * g) % micro:
+    raise ConfigError("train.micro_batch_size", micro,
+                      f"a divisor of the mini-batch's rows = train.ppo_mini_batch_size × "
+                      f"data.group_size = {mini} × {g} = {mini * g} (0 = no accumulation)")
   check_range(cfg, "train.grad_clip", 0.0, lo_open=True)
   check_range(cfg, "train.weight_decay", 0.0)
   check_range(cfg, "train.b1", 0.0, 1.0, hi_open=True)

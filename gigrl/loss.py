@@ -91,9 +91,40 @@ def kl_penalty(logprob: jax.Array, ref_logprob: jax.Array,
   raise ValueError(f"unknown KL kind {kind!r}; allowed {KL_KINDS} (+ '+')")
 
 
+def agg_denominator(loss_mask: jax.Array, mode: str = "token-mean",
+                    loss_scale_factor: float | None = None) -> jax.Array:
+  """The divisor :func:`agg_loss` uses for a whole (mini-)batch.
+
+  Passing it to :func:`agg_loss` on each micro-batch of that batch makes the
+  micro-batch losses (and gradients) sum to the whole batch's loss, as verl's
+  engine path does with ``batch_num_tokens`` / ``global_batch_size``.
+
+  Args:
+    loss_mask: f32[B, S] of the whole batch.
+    mode, loss_scale_factor: see :func:`agg_loss`.
+
+  Returns:
+    f32[]: Σ mask (token-mean), the number of sequences with >= 1 token
+    (seq-mean-*), or ``loss_scale_factor`` / S (seq-mean-token-sum-norm).
+
+  Raises:
+    ValueError: unknown mode.
+  """
+  mask = loss_mask.astype(jnp.float32)
+  if mode == "token-mean":
+    return jnp.maximum(mask.sum(), 1e-8)
+  if mode == "seq-mean-token-sum-norm":
+    return jnp.asarray(loss_mask.shape[-1] if loss_scale_factor is None
+                       else loss_scale_factor, jnp.float32)
+  if mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+    return jnp.maximum((mask.sum(-1) > 0).astype(jnp.float32).sum(), 1.0)
+  raise ValueError(f"unknown loss_agg_mode {mode!r}; allowed {AGG_MODES}")
+
+
 def agg_loss(loss_mat: jax.Array, loss_mask: jax.Array,
              mode: str = "token-mean",
-             loss_scale_factor: float | None = None) -> jax.Array:
+             loss_scale_factor: float | None = None,
+             denominator: jax.Array | None = None) -> jax.Array:
   """Aggregates a token loss matrix to a scalar (verl ``agg_loss``).
 
   Args:
@@ -105,6 +136,8 @@ def agg_loss(loss_mat: jax.Array, loss_mask: jax.Array,
       ``seq-mean-token-sum-norm`` (Σ of all sequence sums / loss_scale_factor,
       default S, the padded length; Dr. GRPO).
     loss_scale_factor: divisor of ``seq-mean-token-sum-norm``.
+    denominator: optional f32[] divisor of a larger batch this one is a
+      micro-batch of (:func:`agg_denominator`); None = this batch's own.
 
   Returns:
     f32[] loss.
@@ -113,6 +146,13 @@ def agg_loss(loss_mat: jax.Array, loss_mask: jax.Array,
     ValueError: unknown mode.
   """
   mask = loss_mask.astype(jnp.float32)
+  if denominator is not None:
+    if mode not in AGG_MODES:
+      raise ValueError(f"unknown loss_agg_mode {mode!r}; allowed {AGG_MODES}")
+    terms = loss_mat * mask
+    if mode == "seq-mean-token-mean":
+      terms = terms.sum(-1) / (mask.sum(-1) + 1e-8)
+    return terms.sum() / denominator
   if mode == "token-mean":
     return (loss_mat * mask).sum() / jnp.maximum(mask.sum(), 1e-8)
   seq_sum = (loss_mat * mask).sum(-1)
@@ -135,7 +175,8 @@ def policy_loss(logprob: jax.Array, old_logprob: jax.Array,
                 advantages: jax.Array, loss_mask: jax.Array, *,
                 clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
                 clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean",
-                loss_scale_factor: float | None = None
+                loss_scale_factor: float | None = None,
+                denominator: jax.Array | None = None
                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Dual-clip PPO policy loss (verl ``compute_policy_loss_vanilla``).
 
@@ -145,7 +186,7 @@ def policy_loss(logprob: jax.Array, old_logprob: jax.Array,
     clip_ratio_high: ε_high (ratio ceiling 1 + ε_high; clip-higher).
     clip_ratio_c: dual-clip constant c > 1.
     loss_agg_mode: see :func:`agg_loss`.
-    loss_scale_factor: see :func:`agg_loss`.
+    loss_scale_factor, denominator: see :func:`agg_loss`.
 
   Returns:
     (pg_loss f32[], metrics with f32[] ``pg_clipfrac``, ``ppo_kl``,
@@ -168,7 +209,8 @@ def policy_loss(logprob: jax.Array, old_logprob: jax.Array,
       "pg_clipfrac_lower": masked_mean(
           ((clip1 > l3) & neg).astype(jnp.float32), mask),
   }
-  return agg_loss(pg, mask, loss_agg_mode, loss_scale_factor), metrics
+  return agg_loss(pg, mask, loss_agg_mode, loss_scale_factor,
+                  denominator), metrics
 
 
 def check_loss_options(*, clip_ratio_low: float, clip_ratio_high: float,
@@ -209,7 +251,8 @@ def ppo_loss(logprob: jax.Array, old_logprob: jax.Array,
              loss_agg_mode: str = "token-mean", use_kl_loss: bool = False,
              kl_loss_coef: float = 0.001, kl_loss_type: str = "low_var_kl",
              loss_scale_factor: float | None = None,
-             entropy: jax.Array | None = None, entropy_coeff: float = 0.0
+             entropy: jax.Array | None = None, entropy_coeff: float = 0.0,
+             denominator: jax.Array | None = None
              ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Actor loss: PPO-clip policy loss, KL loss, entropy bonus (verl dp_actor).
 
@@ -233,6 +276,9 @@ def ppo_loss(logprob: jax.Array, old_logprob: jax.Array,
     entropy: optional f32[B, S] per-token entropy of the policy.
     entropy_coeff: weight of the entropy bonus (needs ``entropy`` when > 0);
       verl: ``loss = pg_loss - entropy_coeff * agg(entropy)``.
+    denominator: optional f32[] aggregation divisor of the mini-batch this
+      batch is a micro-batch of (:func:`agg_denominator`; gradient
+      accumulation); None = this batch's own. Not a config option.
 
   Returns:
     (loss f32[], metrics: dict of f32[] ``pg_loss``, ``kl`` (aggregated KL
@@ -255,13 +301,14 @@ def ppo_loss(logprob: jax.Array, old_logprob: jax.Array,
       logprob, old_logprob, advantages, loss_mask,
       clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
       clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
-      loss_scale_factor=loss_scale_factor)
+      loss_scale_factor=loss_scale_factor, denominator=denominator)
   kld = kl_penalty(logprob, ref_logprob, kl_loss_type)
-  kl = agg_loss(kld, loss_mask, loss_agg_mode, loss_scale_factor)
+  kl = agg_loss(kld, loss_mask, loss_agg_mode, loss_scale_factor, denominator)
   loss = pg + kl_loss_coef * kl if use_kl_loss else pg
   metrics = {"pg_loss": pg, "kl": kl, **metrics}
   if entropy is not None:
-    ent = agg_loss(entropy, loss_mask, loss_agg_mode, loss_scale_factor)
+    ent = agg_loss(entropy, loss_mask, loss_agg_mode, loss_scale_factor,
+                   denominator)
     if entropy_coeff:
       loss = loss - entropy_coeff * ent
     metrics["entropy"] = jax.lax.stop_gradient(ent)
@@ -270,9 +317,11 @@ def ppo_loss(logprob: jax.Array, old_logprob: jax.Array,
 
 def options() -> dict[str, Any]:
   """{name: default} of :func:`ppo_loss`'s options (its keyword-only arguments
-  with a static default; the array argument ``entropy`` is not an option)."""
+  with a static default; the array arguments ``entropy`` and ``denominator``
+  are not options)."""
   return {n: p.default for n, p in inspect.signature(ppo_loss).parameters.items()
-          if p.kind is inspect.Parameter.KEYWORD_ONLY and n != "entropy"}
+          if p.kind is inspect.Parameter.KEYWORD_ONLY
+          and n not in ("entropy", "denominator")}
 
 
 def default_config() -> ml_collections.ConfigDict:

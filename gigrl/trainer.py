@@ -33,6 +33,7 @@ from gigrl import metrics as metrics_lib
 from gigrl import rl_batch
 from gigrl import search as search_lib
 from gigrl import train_state as state_lib
+from gigrl import update as update_lib
 from gigrl.data import pool as pool_lib
 from gigrl.data import qa as qa_lib
 from gigrl.rollout import demos as demos_lib
@@ -278,9 +279,12 @@ class Trainer:
     tokens, mask, tok_adv = rl_batch.train_batch(batch, rows, valid, np.asarray(adv))
     t1 = time.perf_counter()
     if valid.any():
-      params, opt_state, lm = self.steps.rl_step(
-          self.state.params, self.state.opt_state, self.state.ref_params,
-          self._put(tokens), self._put(mask), self._put(tok_adv))
+      mini_rows, micro_rows = build.ppo_rows(cfg)
+      params, opt_state, lm = update_lib.ppo_update(
+          self.steps, self.state.params, self.state.opt_state, self.state.ref_params,
+          tokens, mask, tok_adv, put=self._put, mini_batch_rows=mini_rows,
+          epochs=int(cfg.train.ppo_epochs), micro_batch_rows=micro_rows, seed=int(cfg.seed),
+          step=step, shuffle=bool(cfg.train.shuffle))
       lm = self._update_metrics(lm)
       self.state = self.state.replace(params=params, opt_state=opt_state)
     else:

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -17,30 +18,93 @@ from gigrl import loss as loss_lib
 from gigrl.models import logprobs as logprobs_lib
 
 
-def make_optimizer(learning_rate: float, *, warmup_steps: int, weight_decay: float,
+SCHEDULES = ("constant", "cosine")
+
+
+def lr_schedule(learning_rate: float, *, total_steps: int, lr_warmup_steps: int,
+                lr_warmup_steps_ratio: float, lr_scheduler_type: str, min_lr_ratio: float,
+                num_cycles: float, updates_per_step: int = 1) -> optax.Schedule:
+  """verl's actor learning-rate schedule (``optim.*`` in verl ``actor.yaml``) as an optax schedule.
+
+  Steps are RL steps, as verl steps its scheduler once per training step: with
+  ``updates_per_step`` optimizer updates per RL step (mini-batches × epochs) the optimizer's
+  update count ``c`` is mapped to step ``c // updates_per_step``. Warm-up: ``lr_warmup_steps``
+  if > 0, else ``int(lr_warmup_steps_ratio * total_steps)``; the rate rises linearly from 0
+  (step 0 has rate 0, as in verl). The options are the ``train`` config section's fields of the
+  same names (defaults there, gigrl.config.train_config). ``constant``: then ``learning_rate``. ``cosine``: then
+  ``learning_rate * (min_lr_ratio + (1 - min_lr_ratio) * ½(1 + cos(2π·num_cycles·progress)))``
+  with progress = (step - warm-up) / (total_steps - warm-up) (verl
+  ``get_cosine_schedule_with_warmup``).
+
+  Raises:
+    ValueError: unknown ``lr_scheduler_type``.
+  """
+  if lr_scheduler_type not in SCHEDULES:
+    raise ValueError(f"lr_scheduler_type={lr_scheduler_type!r}; allowed {SCHEDULES}")
+  warmup = int(lr_warmup_steps) if lr_warmup_steps > 0 else int(
+      lr_warmup_steps_ratio * total_steps)
+  if lr_scheduler_type == "constant" and warmup == 0 and updates_per_step == 1:
+    return optax.constant_schedule(learning_rate)
+  if lr_scheduler_type == "constant" and updates_per_step == 1:
+    return optax.linear_schedule(0.0, learning_rate, warmup)
+  span = max(1, int(total_steps) - warmup)
+
+  def schedule(count):
+    step = (count // updates_per_step).astype(jnp.float32)
+    warm = step / max(1, warmup)
+    if lr_scheduler_type == "constant":
+      after = jnp.ones_like(step)
+    else:
+      progress = jnp.clip((step - warmup) / span, 0.0, 1.0)
+      cos = 0.5 * (1.0 + jnp.cos(2.0 * jnp.pi * num_cycles * progress))
+      after = min_lr_ratio + (1.0 - min_lr_ratio) * cos
+    return learning_rate * jnp.where(step < warmup, warm, after)
+
+  return schedule
+
+
+def make_optimizer(learning_rate: float | optax.Schedule, *, weight_decay: float,
                    b1: float, b2: float, grad_clip: float,
                    max_consecutive_nonfinite: int) -> optax.GradientTransformation:
-  """AdamW with global-norm clipping and a linear warm-up (optax), skipping non-finite updates.
+  """AdamW with global-norm clipping and a learning-rate schedule (optax), skipping
+  non-finite updates.
 
-  ``optax.apply_if_finite`` drops an update whose gradients hold a NaN or Inf (params and the
-  inner optimizer state stay as they were) and counts it in the state
-  (:func:`nonfinite_counts`). After ``max_consecutive_nonfinite`` skips in a row it would apply
-  the next one anyway; the trainer stops the run before that (docs/architecture.md).
+  ``learning_rate`` is a float (constant) or an optax schedule (:func:`lr_schedule`). ``optax.apply_if_finite`` drops an update whose gradients hold a NaN
+  or Inf (params and the inner optimizer state stay as they were, so the schedule does not
+  advance either) and counts it in the state (:func:`nonfinite_counts`). After
+  ``max_consecutive_nonfinite`` skips in a row it would apply the next one anyway; the
+  trainer stops the run before that (docs/architecture.md).
   """
   # Always a schedule, so the SFT and RL optimizer states share one tree structure.
-  lr = (optax.linear_schedule(0.0, learning_rate, warmup_steps) if warmup_steps
-        else optax.constant_schedule(learning_rate))
+  lr = learning_rate if callable(learning_rate) else optax.constant_schedule(learning_rate)
   inner = optax.chain(optax.clip_by_global_norm(grad_clip),
                       optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay))
   return optax.apply_if_finite(inner, max_consecutive_errors=max_consecutive_nonfinite)
 
 
-def optimizer_from_config(cfg_train: Any, phase: str) -> optax.GradientTransformation:
-  """The SFT (``phase='sft'``: ``train.sft_learning_rate``, no warm-up) or RL optimizer."""
+def updates_per_step(cfg_train: Any, num_prompts: int) -> int:
+  """Optimizer updates per RL step: mini-batches (``train.ppo_mini_batch_size`` prompts each,
+  0 = all ``num_prompts``) × ``train.ppo_epochs``."""
+  mini = int(cfg_train.ppo_mini_batch_size) or int(num_prompts)
+  return max(1, int(num_prompts) // mini) * int(cfg_train.ppo_epochs)
+
+
+def optimizer_from_config(cfg_train: Any, phase: str, *,
+                          num_prompts: int = 1) -> optax.GradientTransformation:
+  """The SFT (``phase='sft'``: ``train.sft_learning_rate``, constant) or RL optimizer (the
+  ``train`` section's verl schedule, :func:`lr_schedule`; ``num_prompts`` =
+  ``data.prompts_per_step`` sets the updates per RL step)."""
   t = cfg_train
-  lr, warmup = ((t.sft_learning_rate, 0) if phase == "sft"
-                else (t.learning_rate, t.warmup_steps))
-  return make_optimizer(float(lr), warmup_steps=int(warmup), weight_decay=float(t.weight_decay),
+  if phase == "sft":
+    lr = float(t.sft_learning_rate)
+  else:
+    lr = lr_schedule(float(t.learning_rate), total_steps=int(t.num_steps),
+                     lr_warmup_steps=int(t.lr_warmup_steps),
+                     lr_warmup_steps_ratio=float(t.lr_warmup_steps_ratio),
+                     lr_scheduler_type=str(t.lr_scheduler_type),
+                     min_lr_ratio=float(t.min_lr_ratio), num_cycles=float(t.num_cycles),
+                     updates_per_step=updates_per_step(t, num_prompts))
+  return make_optimizer(lr, weight_decay=float(t.weight_decay),
                         b1=float(t.b1), b2=float(t.b2), grad_clip=float(t.grad_clip),
                         max_consecutive_nonfinite=int(t.max_consecutive_nonfinite))
 
@@ -106,12 +170,16 @@ def sft_loss(params, graphdef, tokens: jax.Array, loss_mask: jax.Array, *,
 
 
 def rl_loss(params, graphdef, ref_params, tokens: jax.Array, loss_mask: jax.Array,
-            token_advantages: jax.Array, *, max_tokens: int, chunk_size: int,
+            token_advantages: jax.Array, old_logprobs: jax.Array | None = None,
+            denominator: jax.Array | None = None, *, max_tokens: int, chunk_size: int,
             loss_options: dict[str, Any]):
   """The RL actor loss: :func:`gigrl.loss.ppo_loss` on the policy's own tokens.
 
-  One PPO epoch on fresh rollouts, so old log-probs equal the current ones
-  (``stop_gradient``): the ratio is 1 in value and the gradient is the policy gradient.
+  With ``old_logprobs=None`` (one update per RL step, on fresh rollouts) the old log-probs
+  equal the current ones (``stop_gradient``, verl's ``on_policy`` case): the ratio is 1 in
+  value and the gradient is the policy gradient. With several updates per step (PPO
+  mini-batches / epochs) ``old_logprobs`` are the rollout policy's, computed once before the
+  updates (:func:`masked_logprobs`, same compacted layout).
   Log-probs are computed for the loss-masked tokens only (:func:`masked_logprobs`); the
   aggregation modes see the compacted [B, K] layout, which leaves token-mean and the
   seq-mean modes unchanged (masked-out tokens contribute nothing) and makes
@@ -121,6 +189,9 @@ def rl_loss(params, graphdef, ref_params, tokens: jax.Array, loss_mask: jax.Arra
 
   Args:
     tokens: i32[B, S]; loss_mask, token_advantages: f32[B, S] aligned with ``tokens``.
+    old_logprobs: optional f32[B, K] rollout-policy log-probs in the compacted layout.
+    denominator: optional f32[] aggregation divisor of the whole mini-batch (gradient
+      accumulation, :func:`gigrl.loss.agg_denominator`).
     max_tokens: static bound K on the generated tokens of a row.
     chunk_size: vocabulary-projection chunk (``model.logprob_chunk_size``).
     loss_options: :func:`gigrl.loss.ppo_loss` keyword options (the ``loss`` config section,
@@ -138,9 +209,9 @@ def rl_loss(params, graphdef, ref_params, tokens: jax.Array, loss_mask: jax.Arra
   else:
     ref_logp = jax.lax.stop_gradient(logp)
   adv = jnp.take_along_axis(token_advantages[:, 1:], pos, axis=1)
-  old_logp = jax.lax.stop_gradient(logp)
+  old_logp = jax.lax.stop_gradient(logp if old_logprobs is None else old_logprobs)
   total, metrics = loss_lib.ppo_loss(logp, old_logp, ref_logp, adv, mask, entropy=entropy,
-                                     **loss_options)
+                                     denominator=denominator, **loss_options)
   return total, {"loss": total, **metrics}
 
 
@@ -189,3 +260,150 @@ def make_step(loss_fn, tx: optax.GradientTransformation, *, in_shardings=None,
   if out_shardings is not None:
     kw["out_shardings"] = out_shardings
   return jax.jit(step, donate_argnums=(0, 1), **kw)
+
+
+# ------------------------------------------------------------------- PPO mini-batches
+# Metrics that are masked means per micro-batch (weighted by tokens when accumulated);
+# the other loss metrics are sums over micro-batches (each divided by the mini-batch's
+# aggregation denominator).
+_TOKEN_MEAN_METRICS = ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")
+
+
+def logprob_fn(graphdef, *, max_tokens: int, chunk_size: int) -> Callable:
+  """``fn(params, tokens, loss_mask) -> f32[B, K]``: the compacted log-probs of the loss-masked
+  tokens (:func:`masked_logprobs`), no gradient; the old log-probs of a PPO step."""
+  def fn(params, tokens, loss_mask):
+    logp, _, _, _ = masked_logprobs(params, graphdef, tokens, loss_mask,
+                                    max_tokens=max_tokens, chunk_size=chunk_size)
+    return jax.lax.stop_gradient(logp)
+  return fn
+
+
+def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: int,
+                  max_tokens: int, chunk_size: int, loss_options: dict[str, Any],
+                  in_shardings=None, out_shardings=None):
+  """Jitted ``step(params, opt_state, ref_params, tokens, loss_mask, token_advantages,
+  old_logprobs) -> (params, opt_state, metrics)``: one optimizer update on a mini-batch, its
+  gradient accumulated over ``micro_batches`` equal micro-batches (``lax.scan``).
+
+  Each micro-batch's loss is aggregated with the whole mini-batch's divisor
+  (:func:`gigrl.loss.agg_denominator`, verl's ``batch_num_tokens`` / ``global_batch_size``), so
+  the summed gradient equals the one of the whole mini-batch in one piece (to float rounding).
+  ``pg_clipfrac``, ``ppo_kl`` and ``pg_clipfrac_lower`` are token-weighted over micro-batches.
+
+  Args:
+    tokens: i32[R, W]; loss_mask, token_advantages: f32[R, W]; old_logprobs: f32[R, K] with
+      K = min(max_tokens, W - 1) (:func:`logprob_fn`); R divisible by ``micro_batches``.
+  """
+  mode = loss_options["loss_agg_mode"]
+  lsf = loss_options["loss_scale_factor"]
+
+  def micro_loss(params, ref_params, tokens, mask, adv, old, denom):
+    return rl_loss(params, graphdef, ref_params, tokens, mask, adv, old, denom,
+                   max_tokens=max_tokens, chunk_size=chunk_size, loss_options=loss_options)
+
+  def step(params, opt_state, ref_params, tokens, loss_mask, token_advantages, old_logprobs):
+    shifted = loss_mask[:, 1:]
+    k = old_logprobs.shape[1]
+    compact = jnp.take_along_axis(shifted, compact_positions(shifted, k), axis=1)
+    denom = loss_lib.agg_denominator(compact, mode, lsf)
+    n_tok = jnp.maximum(shifted.sum(), 1.0)
+    split = lambda x: x.reshape((micro_batches, x.shape[0] // micro_batches) + x.shape[1:])
+    xs = tuple(map(split, (tokens, loss_mask, token_advantages, old_logprobs)))
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def body(acc, x):
+      tok, mask, adv, old = x
+      (_, m), g = grad_fn(params, ref_params, tok, mask, adv, old, denom)
+      w = mask[:, 1:].sum() / n_tok
+      m = {k_: (v * w if k_ in _TOKEN_MEAN_METRICS else v) for k_, v in m.items()}
+      return jax.tree.map(jnp.add, acc, (g, m)), None
+
+    shapes = jax.eval_shape(lambda: grad_fn(params, ref_params, *(x[0] for x in xs), denom))
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (shapes[1], shapes[0][1]))
+    if micro_batches == 1:
+      (grads, metrics), _ = body(zeros, tuple(x[0] for x in xs))
+    else:
+      (grads, metrics), _ = jax.lax.scan(body, zeros, xs)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    metrics = dict(metrics, grad_norm=optax.global_norm(grads))
+    if isinstance(opt_state, optax.ApplyIfFiniteState):
+      metrics["nonfinite_consecutive"] = opt_state.notfinite_count
+      metrics["nonfinite_updates"] = opt_state.total_notfinite
+    return params, opt_state, metrics
+
+  kw = {}
+  if in_shardings is not None:
+    kw["in_shardings"] = in_shardings
+  if out_shardings is not None:
+    kw["out_shardings"] = out_shardings
+  return jax.jit(step, donate_argnums=(0, 1), **kw)
+
+
+def minibatch_order(num_rows: int, mini_batch_rows: int, epochs: int, *, seed: int,
+                    step: int, shuffle: bool = True) -> list[np.ndarray]:
+  """The rows of each optimizer update of one RL step, in order.
+
+  Each epoch splits the rows into ``num_rows // mini_batch_rows`` mini-batches; with more than
+  one mini-batch and ``shuffle`` the rows are first permuted by
+  ``default_rng([seed, step, epoch])`` (a pure function of the step, so a resumed run repeats
+  the same order). One mini-batch is never shuffled (the loss does not depend on the order).
+
+  Returns:
+    a list of ``epochs × num_rows // mini_batch_rows`` i64[mini_batch_rows] row indices.
+  """
+  n_mini = num_rows // mini_batch_rows
+  out = []
+  for epoch in range(epochs):
+    rows = np.arange(num_rows)
+    if shuffle and n_mini > 1:
+      rows = np.random.default_rng([seed, step, epoch]).permutation(num_rows)
+    out += [rows[i * mini_batch_rows:(i + 1) * mini_batch_rows] for i in range(n_mini)]
+  return out
+
+
+def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
+               loss_mask: np.ndarray, token_advantages: np.ndarray, *, put: Callable,
+               mini_batch_rows: int, epochs: int, micro_batch_rows: int, seed: int, step: int,
+               shuffle: bool = True):
+  """One RL step's actor update as verl runs it: old log-probs once, then epochs × mini-batches.
+
+  With one mini-batch, one epoch and no micro-batching this is exactly one ``steps.rl_step``
+  (old log-probs = the current ones). Otherwise the rollout policy's log-probs are computed
+  once (``steps.logprob_step``, before any update), and each of ``epochs`` epochs runs one
+  ``steps.ppo_step`` per mini-batch of ``mini_batch_rows`` rows (:func:`minibatch_order`), each
+  accumulating gradients over micro-batches of ``micro_batch_rows`` rows.
+
+  Args:
+    steps: an object with ``rl_step``, ``ppo_step(micro_batches)`` and ``logprob_step``
+      (:class:`gigrl.build.Steps`).
+    tokens: i32[B, W]; loss_mask, token_advantages: f32[B, W] host rows.
+    put: host rows -> device array on the training mesh (``build.put_rows``).
+    mini_batch_rows, micro_batch_rows: rows per update and per gradient micro-batch.
+  Returns:
+    (params, opt_state, metrics): the metrics averaged over the updates (the skip counters are
+    the last update's), plus ``train/updates``.
+  """
+  b = tokens.shape[0]
+  micro = b if not micro_batch_rows else int(micro_batch_rows)
+  if mini_batch_rows >= b and epochs == 1 and micro >= b:
+    params, opt_state, m = steps.rl_step(params, opt_state, ref_params, put(tokens),
+                                         put(loss_mask), put(token_advantages))
+    return params, opt_state, dict(jax.device_get(m), **{"train/updates": 1})
+  old = np.asarray(jax.device_get(steps.logprob_step(params, put(tokens), put(loss_mask))))
+  n_micro = mini_batch_rows // min(micro, mini_batch_rows)
+  ppo_step = steps.ppo_step(n_micro)
+  history = []
+  for rows in minibatch_order(b, mini_batch_rows, epochs, seed=seed, step=step,
+                              shuffle=shuffle):
+    params, opt_state, m = ppo_step(params, opt_state, ref_params, put(tokens[rows]),
+                                    put(loss_mask[rows]), put(token_advantages[rows]),
+                                    put(old[rows]))
+    history.append(jax.device_get(m))
+  out = {k: float(np.mean([h[k] for h in history])) for k in history[0]}
+  for k in ("nonfinite_consecutive", "nonfinite_updates"):
+    if k in history[-1]:
+      out[k] = history[-1][k]
+  out["train/updates"] = len(history)
+  return params, opt_state, out

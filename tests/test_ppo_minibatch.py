@@ -1,0 +1,223 @@
+"""PPO as verl runs it: old log-probs once, mini-batches × epochs, gradient accumulation, the
+verl learning-rate schedule, and the config checks of those fields."""
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from gigrl import build
+from gigrl import config as config_lib
+from gigrl import loss as loss_lib
+from gigrl import update as update_lib
+from gigrl.config_utils import ConfigError
+from gigrl.models import config as mcfg
+from gigrl.models import sharding as shd
+from gigrl.models import transformer as tfm
+
+B, S = 8, 16
+
+
+def _cfg(**train):
+  cfg = config_lib.base_config()
+  cfg.data.prompts_per_step, cfg.data.group_size = 4, 2      # B = 8 rows
+  cfg.rollout.max_turns = 1
+  cfg.rollout.max_new_tokens = 8
+  cfg.train.learning_rate = 1e-2
+  cfg.loss.use_kl_loss = True
+  cfg.loss.kl_loss_coef = 0.1
+  cfg.loss.entropy_coeff = 0.01
+  for k, v in train.items():
+    cfg.train[k] = v
+  return cfg
+
+
+def _policy(seed=0):
+  model_cfg = mcfg.PRESETS["tiny"].replace(vocab_size=64, num_layers=1)
+  mesh = shd.make_mesh({"data": 1, "fsdp": 1, "tp": 1}, devices=jax.devices()[:1])
+  graphdef, params = nnx.split(tfm.Transformer(model_cfg, rngs=nnx.Rngs(seed)))
+  param_sh = shd.param_shardings(params, mesh, "fsdp")
+  params = shd.shard_state(params, mesh, "fsdp")
+  return build.Policy(model_cfg=model_cfg, graphdef=graphdef, mesh=mesh, params=params,
+                      param_sh=param_sh, train_preset="fsdp", rollout_preset="fsdp")
+
+
+def _batch():
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(1, 64, (B, S)).astype(np.int32)
+  mask = np.zeros((B, S), np.float32)
+  spans = [(4, 10), (5, 16), (8, 12), (3, 3), (2, 15), (6, 9), (9, 16), (1, 5)]
+  for b, (lo, hi) in enumerate(spans):   # row 3: no tokens
+    mask[b, lo:hi] = 1.0
+  adv = rng.normal(size=(B, 1)).astype(np.float32).repeat(S, axis=1) * mask
+  return tokens, mask, adv
+
+
+def _copy(tree):
+  return jax.tree.map(lambda x: x.copy(), tree)
+
+
+def _run(cfg, policy, ref, *, step=1):
+  steps = build.build_steps(cfg, policy)
+  opt_state = steps.init_opt(steps.rl_tx, policy.params)
+  mini, micro = build.ppo_rows(cfg)
+  tokens, mask, adv = _batch()
+  return update_lib.ppo_update(
+      steps, _copy(policy.params), opt_state, ref, tokens, mask, adv,
+      put=lambda x: build.put_rows(policy.mesh, x), mini_batch_rows=mini,
+      epochs=int(cfg.train.ppo_epochs), micro_batch_rows=micro, seed=0, step=step,
+      shuffle=bool(cfg.train.shuffle))
+
+
+def _leaves(params):
+  return [np.asarray(x, np.float64) for x in jax.tree.leaves(params)]
+
+
+def test_one_minibatch_one_epoch_is_exactly_todays_update():
+  cfg, policy, ref = _cfg(), _policy(0), _policy(1).params
+  params, _, m = _run(cfg, policy, ref)
+  steps = build.build_steps(cfg, policy)
+  tokens, mask, adv = _batch()
+  put = lambda x: build.put_rows(policy.mesh, x)
+  want_p, _, want_m = steps.rl_step(_copy(policy.params), steps.init_opt(steps.rl_tx,
+                                                                         policy.params),
+                                    ref, put(tokens), put(mask), put(adv))
+  assert m["train/updates"] == 1
+  for a, b in zip(_leaves(params), _leaves(want_p)):
+    np.testing.assert_array_equal(a, b)
+  for k, v in jax.device_get(want_m).items():
+    assert float(m[k]) == float(v), k
+
+
+def test_old_logprobs_from_the_rollout_policy_give_ratio_one_on_the_first_update():
+  """The general step with the precomputed old log-probs equals the on-policy step."""
+  cfg, policy, ref = _cfg(), _policy(0), _policy(1).params
+  steps = build.build_steps(cfg, policy)
+  tokens, mask, adv = _batch()
+  put = lambda x: build.put_rows(policy.mesh, x)
+  old = steps.logprob_step(policy.params, put(tokens), put(mask))
+  p1, _, m1 = steps.ppo_step(1)(_copy(policy.params), steps.init_opt(steps.rl_tx, policy.params),
+                                ref, put(tokens), put(mask), put(adv), old)
+  p0, _, m0 = steps.rl_step(_copy(policy.params), steps.init_opt(steps.rl_tx, policy.params),
+                            ref, put(tokens), put(mask), put(adv))
+  assert float(m1["pg_clipfrac"]) == 0.0 and abs(float(m1["ppo_kl"])) < 1e-6
+  for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm"):
+    np.testing.assert_allclose(float(m1[k]), float(m0[k]), rtol=1e-5, err_msg=k)
+  for a, b in zip(_leaves(p1), _leaves(p0)):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", loss_lib.AGG_MODES)
+def test_gradient_accumulation_equals_one_big_batch(mode):
+  cfg, policy, ref = _cfg(), _policy(0), _policy(1).params
+  cfg.loss.loss_agg_mode = mode
+  opts = loss_lib.kwargs_from_config(cfg.loss)
+  tokens, mask, adv = _batch()
+  k = build.max_generated_tokens(cfg)
+  kw = dict(max_tokens=k, chunk_size=int(cfg.model.logprob_chunk_size), loss_options=opts)
+  g = policy.graphdef
+  old = update_lib.logprob_fn(g, max_tokens=k, chunk_size=kw["chunk_size"])(
+      policy.params, tokens, mask) - 0.3          # ratio != 1: the clip is exercised
+  whole = lambda p: update_lib.rl_loss(p, g, ref, tokens, mask, adv, old, **kw)[0]
+  (want_loss, want_grad) = jax.value_and_grad(whole)(policy.params)
+  # The mini-batch's divisor, then 4 micro-batches of 2 rows each, gradients summed.
+  compact = np.take_along_axis(mask[:, 1:], np.asarray(update_lib.compact_positions(
+      mask[:, 1:], old.shape[1])), axis=1)
+  denom = loss_lib.agg_denominator(compact, mode, opts["loss_scale_factor"])
+  total_loss, total_grad = 0.0, None
+  for i in range(0, B, 2):
+    sl = slice(i, i + 2)
+    fn = lambda p: update_lib.rl_loss(p, g, ref, tokens[sl], mask[sl], adv[sl], old[sl],
+                                      denom, **kw)[0]
+    loss, grad = jax.value_and_grad(fn)(policy.params)
+    total_loss += float(loss)
+    total_grad = grad if total_grad is None else jax.tree.map(np.add, total_grad, grad)
+  np.testing.assert_allclose(total_loss, float(want_loss), rtol=1e-5, atol=1e-6)
+  for a, b in zip(_leaves(total_grad), _leaves(want_grad)):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_ppo_step_with_micro_batches_equals_one_micro_batch():
+  cfg, policy, ref = _cfg(), _policy(0), _policy(1).params
+  steps = build.build_steps(cfg, policy)
+  tokens, mask, adv = _batch()
+  put = lambda x: build.put_rows(policy.mesh, x)
+  old = np.asarray(steps.logprob_step(policy.params, put(tokens), put(mask))) - 0.3
+  out = {}
+  for n in (1, 4):
+    p, _, m = steps.ppo_step(n)(_copy(policy.params), steps.init_opt(steps.rl_tx,
+                                                                      policy.params),
+                                ref, put(tokens), put(mask), put(adv), put(old))
+    out[n] = (_leaves(p), jax.device_get(m))
+  assert sorted(out[1][1]) == sorted(out[4][1])
+  for k, v in out[1][1].items():
+    np.testing.assert_allclose(float(out[4][1][k]), float(v), rtol=1e-5, atol=1e-6, err_msg=k)
+  assert float(out[1][1]["pg_clipfrac"]) > 0
+  # grad_norm equal to 1e-5 above; the Adam step normalises, so compare params loosely.
+  for a, b in zip(out[4][0], out[1][0]):
+    np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+@pytest.mark.parametrize("train", [dict(ppo_mini_batch_size=2), dict(ppo_epochs=2),
+                                   dict(ppo_mini_batch_size=2, micro_batch_size=2)])
+def test_several_updates_per_step_clip(train):
+  cfg, policy, ref = _cfg(**train), _policy(0), _policy(1).params
+  config_lib.validate(cfg)
+  params, _, m = _run(cfg, policy, ref)
+  assert m["train/updates"] == 2
+  assert m["pg_clipfrac"] > 0, m       # the second update sees ratio != 1
+  assert m["ppo_kl"] != 0
+  assert all(np.isfinite(v) for v in m.values())
+
+
+def test_minibatch_order_is_seeded_by_seed_step_epoch():
+  a = update_lib.minibatch_order(8, 4, 2, seed=0, step=3)
+  b = update_lib.minibatch_order(8, 4, 2, seed=0, step=3)
+  c = update_lib.minibatch_order(8, 4, 2, seed=0, step=4)
+  assert len(a) == 4 and all(len(r) == 4 for r in a)
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(x, y)
+  assert sorted(np.concatenate(a[:2])) == list(range(8))        # an epoch covers every row
+  assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+  assert not np.array_equal(np.concatenate(a[:2]), np.concatenate(a[2:]))  # epochs differ
+  one = update_lib.minibatch_order(8, 8, 2, seed=0, step=3)        # one mini-batch: in order
+  assert all(np.array_equal(r, np.arange(8)) for r in one)
+  fixed = update_lib.minibatch_order(8, 4, 1, seed=0, step=3, shuffle=False)
+  np.testing.assert_array_equal(np.concatenate(fixed), np.arange(8))
+
+
+@pytest.mark.parametrize("field,value,other", [
+    ("ppo_mini_batch_size", 3, None), ("micro_batch_size", 3, None),
+    ("micro_batch_size", 4, ("ppo_mini_batch_size", 1))])
+def test_a_size_that_does_not_divide_is_a_config_error(field, value, other):
+  cfg = _cfg(**{field: value})                     # P = 4 prompts, G = 2
+  if other:
+    cfg.train[other[0]] = other[1]
+  with pytest.raises(ConfigError) as e:
+    config_lib.validate(cfg)
+  assert f"train.{field}" in str(e.value)
+  assert "data.prompts_per_step" in str(e.value) or "data.group_size" in str(e.value)
+
+
+def _lr(cfg_train, count, num_prompts=4):
+  tx_sched = update_lib.lr_schedule(
+      float(cfg_train.learning_rate), total_steps=int(cfg_train.num_steps),
+      lr_warmup_steps=int(cfg_train.lr_warmup_steps),
+      lr_warmup_steps_ratio=float(cfg_train.lr_warmup_steps_ratio),
+      lr_scheduler_type=cfg_train.lr_scheduler_type, min_lr_ratio=float(cfg_train.min_lr_ratio),
+      num_cycles=float(cfg_train.num_cycles),
+      updates_per_step=update_lib.updates_per_step(cfg_train, num_prompts))
+  return float(tx_sched(np.int32(count)))
+
+
+def test_lr_schedule_warmup_ratio_cosine_and_updates_per_step():
+  t = _cfg(num_steps=100, lr_warmup_steps_ratio=0.2, lr_scheduler_type="cosine",
+           min_lr_ratio=0.1, learning_rate=1.0, ppo_mini_batch_size=2).train   # 2 updates/step
+  assert _lr(t, 0) == 0.0
+  assert _lr(t, 1) == 0.0                                  # same RL step as count 0
+  assert _lr(t, 20) == pytest.approx(10 / 20)              # RL step 10 of a 20-step warm-up
+  assert _lr(t, 40) == pytest.approx(1.0)                  # warm-up done
+  assert _lr(t, 40 + 80) == pytest.approx(0.1 + 0.9 * 0.5, rel=1e-5)   # half-way: cos = 0
+  assert _lr(t, 200) == pytest.approx(0.1, rel=1e-5)       # the floor at the end
+  c = _cfg(num_steps=100, lr_warmup_steps=5, learning_rate=2.0).train
+  assert _lr(c, 0) == 0.0 and _lr(c, 1) == pytest.approx(0.4) and _lr(c, 50) == 2.0
+  assert _lr(_cfg(learning_rate=3.0).train, 7) == 3.0      # default: constant, no warm-up
