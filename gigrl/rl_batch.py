@@ -23,6 +23,7 @@ import numpy as np
 from gigrl import reward as reward_lib
 from gigrl.advantages import anchors as anchors_lib
 from gigrl.advantages import compose as adv_compose
+from gigrl.rollout import protocol
 from gigrl.rollout import trajectory as traj_lib
 
 
@@ -76,13 +77,38 @@ def train_rows(candidates: Sequence[int], accepted: Sequence[int], num_prompts: 
   return rows, valid
 
 
+def stratum_keys(batch: traj_lib.TrajectoryBatch, rows: np.ndarray, max_turns: int, *,
+                 count_final_search: bool = False) -> np.ndarray:
+  """Stratum key of each row: its search-call count.
+
+  The rollout counts only searches that were answered. A ``<search>`` in the final turn
+  (index ``max_turns``, where no observation follows) counts too with ``count_final_search``,
+  as Search-R1's ``execute_predictions`` counts it (``is_search`` = 1 even with
+  ``do_search=False``).
+
+  Args:
+    rows: i32[...] rollout rows. Returns: i32[...] keys shaped like ``rows``.
+  """
+  flat = np.asarray(rows).reshape(-1)
+  keys = np.asarray(batch.search_calls)[flat].astype(np.int32)
+  if count_final_search:
+    for j, i in enumerate(flat):
+      texts = batch.generated_text[i]
+      if len(texts) == max_turns + 1 and protocol.parse_action(texts[-1])[0] == "search":
+        keys[j] += 1
+  return keys.reshape(np.shape(rows))
+
+
 def advantage_inputs(batch: traj_lib.TrajectoryBatch, rewards: np.ndarray, rows: np.ndarray,
                      valid_groups: np.ndarray, max_steps: int, *, anchor_grouping: str | None,
-                     similarity_thresh: float = 0.9) -> adv_compose.AdvantageInputs:
+                     similarity_thresh: float = 0.9, num_candidates: int | None = None,
+                     count_final_search: bool = False) -> adv_compose.AdvantageInputs:
   """The padded ``[P, G, T]`` advantage inputs of the trained groups.
 
   A trajectory's outcome reward is also its last step's reward (Search-R1: the environment
-  rewards only the final answer); its strata key is its search-call count.
+  rewards only the final answer); its strata key is its search-call count
+  (:func:`stratum_keys`). ``batch_rewards`` carry every rolled-out candidate group (HA-DW's
+  y_t, Eq. 7), padded to ``num_candidates`` groups with invalid rows (a fixed shape).
 
   Args:
     batch: the rollout batch (rows indexed by ``rows``).
@@ -92,10 +118,13 @@ def advantage_inputs(batch: traj_lib.TrajectoryBatch, rewards: np.ndarray, rows:
     anchor_grouping: ``'exact'`` or ``'similarity'`` anchor-state ids for GiGPO
       (:mod:`gigrl.advantages.anchors`), or None (all ids 0: no step estimator).
     similarity_thresh: threshold of ``'similarity'`` grouping.
+    num_candidates: groups rolled out per step (k·P); None = ``rewards.shape[0]``.
+    count_final_search: see :func:`stratum_keys` (``advantage.stratified.count_final_search``).
   Returns:
     :class:`gigrl.advantages.AdvantageInputs` of numpy arrays: rewards f32[P, G],
     valid bool[P, G], strata i32[P, G], step_rewards f32[P, G, T], step_valid bool[P, G, T],
-    anchor_ids i32[P, G, T], action_valid bool[P, G, T].
+    anchor_ids i32[P, G, T], action_valid bool[P, G, T], batch_rewards f32[C', G],
+    batch_valid bool[C', G] (C' = ``num_candidates``).
   """
   p, g = rows.shape
   t = int(max_steps)
@@ -124,10 +153,16 @@ def advantage_inputs(batch: traj_lib.TrajectoryBatch, rewards: np.ndarray, rows:
     for gi, i in enumerate(row):
       av = batch.action_valid[i][:t]
       action_valid[pi, gi, :len(av)] = av
+  rewards = np.asarray(rewards, np.float32)
+  c = rewards.shape[0] if num_candidates is None else max(int(num_candidates), rewards.shape[0])
+  batch_rewards = np.zeros((c, g), np.float32)
+  batch_rewards[:rewards.shape[0]] = rewards
+  batch_valid = np.arange(c)[:, None].repeat(g, axis=1) < rewards.shape[0]
   return adv_compose.AdvantageInputs(
-      rewards=r, valid=valid, strata=np.asarray(batch.search_calls)[flat].reshape(p, g),
+      rewards=r, valid=valid,
+      strata=stratum_keys(batch, rows, t - 1, count_final_search=count_final_search),
       step_rewards=step_rewards, step_valid=step_valid, anchor_ids=anchor_ids,
-      action_valid=action_valid)
+      action_valid=action_valid, batch_rewards=batch_rewards, batch_valid=batch_valid)
 
 
 def token_advantages(advantages: np.ndarray, step_ids: np.ndarray) -> np.ndarray:

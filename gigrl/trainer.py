@@ -273,7 +273,9 @@ class Trainer:
     inputs = rl_batch.advantage_inputs(
         batch, rewards, rows, valid, self.settings.max_turns + 1,
         anchor_grouping=build.anchor_grouping(self.adv_cfg),
-        similarity_thresh=self.adv_cfg.gigpo_similarity_thresh)
+        similarity_thresh=self.adv_cfg.gigpo_similarity_thresh,
+        num_candidates=self.pool.num_candidates,
+        count_final_search=self.adv_cfg.stratified_count_final_search)
     adv, adv_state, ametrics = self.adv_fn(inputs, self.state.adv_state)
     self.state = self.state.replace(adv_state=adv_state)
     tokens, mask, tok_adv = rl_batch.train_batch(batch, rows, valid, np.asarray(adv))

@@ -112,3 +112,55 @@ class GrpoTest(parameterized.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+def numpy_cross_step_grpo(rewards, valid, num_steps, eps=1e-6, norm=True):
+  """verl-agent GRPO with compute_mean_std_cross_steps=True, on flat step rows.
+
+  Builds verl-agent's batch layout (one row per step, each row carrying its
+  trajectory's score and its group's uid), then normalises each row by the
+  mean and unbiased std of all rows sharing its uid.
+  """
+  rows = []                                  # (uid, traj, step, score)
+  for p in range(rewards.shape[0]):
+    for g in range(rewards.shape[1]):
+      if valid[p, g]:
+        rows += [(p, g, t, float(rewards[p, g])) for t in range(num_steps[p, g])]
+  by_uid = {}
+  for uid, _, _, s in rows:
+    by_uid.setdefault(uid, []).append(s)
+  out = np.zeros(rewards.shape + (num_steps.max(),), np.float64)
+  for uid, traj, step, s in rows:
+    scores = np.array(by_uid[uid])
+    mean, std = (0.0, 1.0) if len(scores) == 1 else (scores.mean(), scores.std(ddof=1))
+    out[uid, traj, step] = (s - mean) / (std + eps) if norm else s - mean
+  return out
+
+
+class CrossStepGrpoTest(parameterized.TestCase):
+
+  @parameterized.parameters(True, False)
+  def test_compose_matches_flat_step_rows(self, norm):
+    from gigrl import advantages
+    rng = np.random.default_rng(3)
+    p, g, t = 5, 4, 4
+    rewards = (rng.random((p, g)) < 0.5).astype(np.float32)
+    valid = rng.random((p, g)) < 0.85
+    valid[0] = [True, False, False, False]          # a singleton group (one trajectory)
+    num_steps = rng.integers(1, t + 1, (p, g))
+    num_steps[0, 0] = 1                             # ... with one step row: the raw score
+    step_valid = (np.arange(t)[None, None] < num_steps[..., None]) & valid[..., None]
+    cfg = advantages.default_config()
+    cfg.outcome = "grpo" if norm else "drgrpo"
+    cfg.grpo.episode_stats = "cross_steps"
+    inputs = advantages.AdvantageInputs(
+        rewards=rewards, valid=valid, strata=np.zeros((p, g), np.int32),
+        step_rewards=np.zeros((p, g, t), np.float32), step_valid=step_valid,
+        anchor_ids=np.zeros((p, g, t), np.int32))
+    adv, _, _ = advantages.make_advantage_fn(cfg)(inputs, advantages.init_state(cfg))
+    want = numpy_cross_step_grpo(rewards, valid, num_steps, norm=norm)
+    np.testing.assert_allclose(np.asarray(adv), want, atol=1e-5)
+    # A trajectory with more steps pulls the statistics: differs from per-trajectory GRPO.
+    cfg.grpo.episode_stats = "per_traj"
+    per_traj, _, _ = advantages.make_advantage_fn(cfg)(inputs, advantages.init_state(cfg))
+    assert not np.allclose(np.asarray(per_traj), want, atol=1e-3)

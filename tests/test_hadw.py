@@ -19,8 +19,8 @@ class NumpyHadw:
     self.prior = None
     self.buf = collections.deque(maxlen=window)
 
-  def __call__(self, r, v, adv):
-    y = r[v].mean()
+  def __call__(self, r, v, adv, y=None):
+    y = r[v].mean() if y is None else y       # y_t: the batch accuracy (Eq. 7)
     p_hat = np.array([r[p][v[p]].mean() if v[p].any() else 0.0
                       for p in range(len(r))])
     if self.variant == "repo":
@@ -133,3 +133,34 @@ class HadwTest(parameterized.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+class BatchAccuracyOverAllGroupsTest(parameterized.TestCase):
+  """Eq. 7: y_t is the mean over every rolled-out response, not only the trained groups."""
+
+  @parameterized.parameters("paper", "trl", "repo")
+  def test_y_t_uses_batch_rewards(self, variant):
+    from gigrl import advantages
+    ref = NumpyHadw(variant, window=3)
+    cfg = advantages.default_config()
+    cfg.reweight, cfg.hadw.variant, cfg.hadw.window = "hadw", variant, 3
+    fn = advantages.make_advantage_fn(cfg)
+    state = advantages.init_state(cfg)
+    rng = np.random.default_rng(7)
+    p, g, c, t = 3, 4, 6, 2
+    for step in range(4):
+      all_r = (rng.random((c, g)) < rng.random((c, 1))).astype(np.float32)
+      all_r[3:] = 0.0 if step % 2 else 1.0        # untrained groups move y_t a lot
+      r, v = all_r[:p], np.ones((p, g), bool)
+      inputs = advantages.AdvantageInputs(
+          rewards=r, valid=v, strata=np.zeros((p, g), np.int32),
+          step_rewards=np.zeros((p, g, t), np.float32),
+          step_valid=np.ones((p, g, t), bool), anchor_ids=np.zeros((p, g, t), np.int32),
+          batch_rewards=all_r, batch_valid=np.ones((c, g), bool))
+      adv, state, m = fn(inputs, state)
+      np.testing.assert_allclose(float(m["hadw/batch_mean"]), all_r.mean(), rtol=1e-6)
+      base = np.asarray(grpo.grpo_advantages(r, v))
+      # the reference with y_t over all C groups and p-hat over the trained ones
+      phi = ref(r, v, base, y=float(all_r.mean()))
+      np.testing.assert_allclose(np.asarray(adv), (base * phi)[:, :, None].repeat(t, -1),
+                                 rtol=1e-5, atol=1e-6)

@@ -111,3 +111,29 @@ class StratifiedTest(parameterized.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+def test_stratum_key_counts_a_final_turn_search_only_when_asked():
+  """Search-R1 counts a <search> in the last turn (no observation follows) as a search."""
+  from gigrl import rl_batch
+  from gigrl.rollout import trajectory as traj_lib
+  max_turns = 1
+  turns = [["<search> a </search>", "<search> b </search>"],    # final-turn search
+           ["<search> a </search>", "<answer> x </answer>"],    # answered
+           ["<search> a </search>"],                            # stopped early (no final turn)
+           ["junk", "junk"]]                                     # invalid final action
+  rows = []
+  for texts in turns:
+    tb = traj_lib.TrajectoryBuilder()
+    tb.add_prompt([1, 2], anchor="q")
+    for i, text in enumerate(texts):
+      tb.add_generation([10 + i], text)
+      if i < max_turns and i < len(texts) - 1:
+        tb.add_observation([20], anchor="obs")
+    tb.search_calls = int(texts[0].startswith("<search>"))
+    rows.append(tb)
+  batch = traj_lib.collate(rows, 8, 0)
+  idx = np.arange(4).reshape(2, 2)
+  np.testing.assert_array_equal(rl_batch.stratum_keys(batch, idx, max_turns), [[1, 1], [1, 0]])
+  np.testing.assert_array_equal(
+      rl_batch.stratum_keys(batch, idx, max_turns, count_final_search=True), [[2, 1], [1, 0]])

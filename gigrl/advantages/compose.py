@@ -59,6 +59,10 @@ class AdvantageInputs(NamedTuple):
     anchor_ids: int32[P, G, T] anchor-state ids from ``anchors.py``.
     action_valid: optional bool[P, G, T]; False = invalid action, penalised
       by ``gigpo.invalid_action_penalty_coef``. None = all valid.
+    batch_rewards: optional f32[C, G] outcome rewards of every group rolled
+      out this step (C >= P with query recycling); HA-DW's batch accuracy y_t
+      (Eq. 7) is their mean. None = the trained groups.
+    batch_valid: optional bool[C, G] for ``batch_rewards`` (None = all).
   """
   rewards: jax.Array
   valid: jax.Array
@@ -67,6 +71,8 @@ class AdvantageInputs(NamedTuple):
   step_valid: jax.Array
   anchor_ids: jax.Array
   action_valid: jax.Array | None = None
+  batch_rewards: jax.Array | None = None
+  batch_valid: jax.Array | None = None
 
 
 class AdvantageState(NamedTuple):
@@ -92,10 +98,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.outcome = "grpo"
   c.step = "none"
   c.reweight = "none"
-  c.grpo = ml_collections.ConfigDict(dict(eps=1e-6, singleton="raw"))
+  c.grpo = ml_collections.ConfigDict(dict(eps=1e-6, singleton="raw",
+                                         episode_stats="per_traj"))
   c.stratified = ml_collections.ConfigDict(dict(
       alpha=0.6, eps=1e-6, ddof=1, singleton_stratum="zero",
-      singleton_group="zero"))
+      singleton_group="zero", count_final_search=False))
   c.gigpo = ml_collections.ConfigDict(dict(
       omega=1.0, gamma=0.95, mode="mean_std_norm", eps=1e-6,
       episode_stats="cross_steps", invalid_action_penalty_coef=0.01,
@@ -125,6 +132,8 @@ def validate(cfg: Any) -> None:
   choice("reweight", REWEIGHTS)
   rng("grpo.eps", 0.0)
   choice("grpo.singleton", grpo_lib.SINGLETON_CHOICES)
+  choice("grpo.episode_stats", gigpo_lib.EPISODE_STATS)
+  choice("stratified.count_final_search", (True, False))
   rng("stratified.alpha", 0.0, 1.0)
   rng("stratified.eps", 0.0)
   choice("stratified.ddof", (0, 1))
@@ -156,11 +165,13 @@ class AdvantageConfig:
   reweight: str = "none"
   grpo_eps: float = 1e-6
   grpo_singleton: str = "raw"
+  grpo_episode_stats: str = "per_traj"
   stratified_alpha: float = 0.6
   stratified_eps: float = 1e-6
   stratified_ddof: int = 1
   stratified_singleton_stratum: str = "zero"
   stratified_singleton_group: str = "zero"
+  stratified_count_final_search: bool = False
   gigpo_omega: float = 1.0
   gigpo_gamma: float = 0.95
   gigpo_mode: str = "mean_std_norm"
@@ -241,6 +252,11 @@ def _outcome(c: AdvantageConfig, x: AdvantageInputs, row_valid: jax.Array
     return adv, metrics
   if gig is not None:
     return gig[0], metrics
+  if c.grpo_episode_stats == "cross_steps":
+    a = grpo_lib.grpo_cross_step_advantages(
+        x.rewards, row_valid, eps=c.grpo_eps, norm_by_std=norm,
+        singleton=c.grpo_singleton)
+    return a, metrics
   a = grpo_lib.grpo_advantages(x.rewards, x.valid, eps=c.grpo_eps,
                                norm_by_std=norm, singleton=c.grpo_singleton)
   return jnp.where(row_valid, a[:, :, None], 0.0), metrics
@@ -287,7 +303,8 @@ def compute_advantages(cfg: Any, inputs: AdvantageInputs,
   if c.reweight == "hadw":
     phi, hstate, hm = hadw_lib.hadw_update(
         c.hadw_variant, state.hadw, x.rewards, x.valid, adv, eta=c.hadw_eta,
-        lambda_scale=c.hadw_lambda_scale, norm_by_std=c.outcome != "drgrpo")
+        lambda_scale=c.hadw_lambda_scale, norm_by_std=c.outcome != "drgrpo",
+        batch_rewards=x.batch_rewards, batch_valid=x.batch_valid)
     adv = adv * phi
     new_state = AdvantageState(hstate)
     metrics.update({f"hadw/{k}": v for k, v in hm.items()})

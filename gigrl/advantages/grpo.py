@@ -206,6 +206,36 @@ def grpo_advantages(rewards: jax.Array, valid: jax.Array, *,
   return jnp.where(valid, adv, 0.0)
 
 
+def grpo_cross_step_advantages(rewards: jax.Array, step_valid: jax.Array, *,
+                               eps: float = 1e-6, norm_by_std: bool = True,
+                               singleton: str = "raw") -> jax.Array:
+  """verl-agent's GRPO on step rows (``compute_mean_std_cross_steps=True``).
+
+  Reference: verl-agent ``verl/trainer/ppo/core_algos.py``
+  ``compute_grpo_outcome_advantage`` with ``traj_index`` and
+  ``compute_mean_std_cross_steps=True`` (its default): each step of a
+  trajectory is a row carrying the trajectory's score, and every row of the
+  group enters the mean and (unbiased) std, so a trajectory of n steps
+  counts n times; all rows are then normalised with those statistics. The
+  singleton rule applies to a group with one step row in all.
+
+  Args:
+    rewards: f32[P, G] trajectory scores.
+    step_valid: bool[P, G, T] valid step rows (padded trajectories: none).
+    eps, norm_by_std, singleton: as :func:`grpo_advantages`.
+
+  Returns:
+    f32[P, G, T] advantages; 0 on padded steps.
+  """
+  p, g, t = step_valid.shape
+  r = jnp.broadcast_to(jnp.asarray(rewards, jnp.float32)[:, :, None], (p, g, t))
+  flat, mask = r.reshape(p, g * t), step_valid.reshape(p, g * t)
+  stats = masked_stats(flat, mask, ddof=1)
+  adv = normalise(flat, stats, eps=eps, norm_by_std=norm_by_std,
+                  singleton=singleton)
+  return jnp.where(step_valid, adv.reshape(p, g, t), 0.0)
+
+
 def zero_variance_groups(rewards: jax.Array, valid: jax.Array) -> jax.Array:
   """Which groups carry no learning signal (all valid rewards equal).
 

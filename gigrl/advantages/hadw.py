@@ -24,7 +24,10 @@ anchor plus a fixed-size history buffer with a count, newest value last):
   (``norm_by_std=False``) the repository does not reweight: Φ = 1.
 
 Batch and group means are taken over valid trajectories only; Φ is 1 on
-padded entries.
+padded entries. Eq. 7's batch accuracy y_t is the mean over **every** response
+rolled out in the step: with query recycling (more groups rolled out than
+trained) pass those as ``batch_rewards`` / ``batch_valid``; p̂ of a trained
+prompt is the mean over all of its own G responses.
 """
 from __future__ import annotations
 
@@ -118,9 +121,19 @@ def _batch_mean(rewards: jax.Array, valid: jax.Array) -> jax.Array:
   return (jnp.where(valid, rewards, 0.0)).sum() / jnp.maximum(w.sum(), 1.0)
 
 
+def _y_t(rewards, valid, batch_rewards, batch_valid) -> jax.Array:
+  """Eq. 7's batch accuracy: over every rolled-out response when given."""
+  if batch_rewards is None:
+    return _batch_mean(rewards, valid)
+  br = jnp.asarray(batch_rewards, jnp.float32)
+  bv = jnp.ones(br.shape, bool) if batch_valid is None else jnp.asarray(batch_valid, bool)
+  return _batch_mean(br, bv)
+
+
 def kalman_update(state: HadwState, rewards: jax.Array, valid: jax.Array,
                   adv: jax.Array, *, eta: float, lambda_scale: float,
-                  ddof: int, clip_eta: bool
+                  ddof: int, clip_eta: bool, batch_rewards: jax.Array | None = None,
+                  batch_valid: jax.Array | None = None
                   ) -> tuple[jax.Array, HadwState, dict[str, jax.Array]]:
   """Φ and the new state for the ``paper`` (ddof 0, clip) / ``trl`` variants.
 
@@ -133,6 +146,8 @@ def kalman_update(state: HadwState, rewards: jax.Array, valid: jax.Array,
     lambda_scale: λ.
     ddof: ddof of σ_t over the buffer (paper 0, TRL 1).
     clip_eta: clip η_t to [0, 1] (paper) or not (TRL).
+    batch_rewards, batch_valid: optional f32[C, G] / bool[C, G]: every group
+      rolled out this step (y_t's batch); None = ``rewards`` / ``valid``.
 
   Returns:
     (phi shaped like ``adv``, new_state, metrics dict of f32[] with
@@ -140,7 +155,7 @@ def kalman_update(state: HadwState, rewards: jax.Array, valid: jax.Array,
     ``eta_t``).
   """
   rewards = jnp.asarray(rewards, jnp.float32)
-  y = _batch_mean(rewards, valid)
+  y = _y_t(rewards, valid, batch_rewards, batch_valid)
   first = state.count == 0
   prior = jnp.where(first, y, state.anchor)
   sigma = jnp.where(state.count > 1,
@@ -160,7 +175,8 @@ def kalman_update(state: HadwState, rewards: jax.Array, valid: jax.Array,
 
 def repo_update(state: HadwState, rewards: jax.Array, valid: jax.Array,
                 adv: jax.Array, *, lambda_scale: float = 1.5,
-                norm_by_std: bool = True
+                norm_by_std: bool = True, batch_rewards: jax.Array | None = None,
+                batch_valid: jax.Array | None = None
                 ) -> tuple[jax.Array, HadwState, dict[str, jax.Array]]:
   """Φ and the new state for the authors'-repository variant.
 
@@ -174,12 +190,13 @@ def repo_update(state: HadwState, rewards: jax.Array, valid: jax.Array,
     adv: f32[P, G] or f32[P, G, T].
     lambda_scale: λ (hard-coded 1.5 in the repository).
     norm_by_std: False (Dr. GRPO) gives Φ = 1, as the repository does.
+    batch_rewards, batch_valid: see :func:`kalman_update`.
 
   Returns:
     (phi, new_state, metrics) like :func:`kalman_update`.
   """
   rewards = jnp.asarray(rewards, jnp.float32)
-  y = _batch_mean(rewards, valid)
+  y = _y_t(rewards, valid, batch_rewards, batch_valid)
   buf, count = _push(state, y)
   hist = _buffer_stats(buf, count, 0).mean
   p_hat = _prompt_means(rewards, valid, singleton_zero=True)
@@ -193,7 +210,9 @@ def repo_update(state: HadwState, rewards: jax.Array, valid: jax.Array,
 
 def hadw_update(variant: str, state: HadwState, rewards: jax.Array,
                 valid: jax.Array, adv: jax.Array, *, eta: float = 0.1,
-                lambda_scale: float | None = None, norm_by_std: bool = True
+                lambda_scale: float | None = None, norm_by_std: bool = True,
+                batch_rewards: jax.Array | None = None,
+                batch_valid: jax.Array | None = None
                 ) -> tuple[jax.Array, HadwState, dict[str, jax.Array]]:
   """Dispatches to the chosen HA-DW variant; Φ is 1 on padded entries.
 
@@ -206,6 +225,8 @@ def hadw_update(variant: str, state: HadwState, rewards: jax.Array,
     eta: η (paper/trl).
     lambda_scale: λ; None = the variant's default (1.3 / 1.0 / 1.5).
     norm_by_std: whether the advantages are std-normalised (repo only).
+    batch_rewards, batch_valid: optional f32[C, G] / bool[C, G] of every group
+      rolled out this step, for y_t (Eq. 7); None = the trained groups.
 
   Returns:
     (phi shaped like adv, new_state, metrics dict of f32[]).
@@ -218,11 +239,13 @@ def hadw_update(variant: str, state: HadwState, rewards: jax.Array,
   lam = DEFAULT_LAMBDA[variant] if lambda_scale is None else lambda_scale
   if variant == "repo":
     phi, new, m = repo_update(state, rewards, valid, adv, lambda_scale=lam,
-                              norm_by_std=norm_by_std)
+                              norm_by_std=norm_by_std, batch_rewards=batch_rewards,
+                              batch_valid=batch_valid)
   else:
     phi, new, m = kalman_update(state, rewards, valid, adv, eta=eta,
                                 lambda_scale=lam,
                                 ddof=0 if variant == "paper" else 1,
-                                clip_eta=variant == "paper")
+                                clip_eta=variant == "paper",
+                                batch_rewards=batch_rewards, batch_valid=batch_valid)
   mask = valid.reshape(valid.shape + (1,) * (adv.ndim - 2))
   return jnp.where(mask, phi, 1.0), new, m
