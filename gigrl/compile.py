@@ -42,9 +42,9 @@ CHIPS: dict[str, dict[str, Any]] = {
     "v5e": dict(hbm=16 * GiB, flops=197e12, hbm_bw=819e9,
                 source="cloud.google.com/tpu/docs/v5e (16 GiB HBM2, 197 TFLOP/s bf16, "
                        "819 GB/s)"),
-    "v5p": dict(hbm=95 * 10**9, flops=459e12, hbm_bw=2765e9,
-                source="cloud.google.com/tpu/docs/v5p (95 GB HBM2e, 459 TFLOP/s bf16, "
-                       "2765 GB/s)"),
+    "v5p": dict(hbm=96 * GiB, flops=459e12, hbm_bw=2765e9,
+                source="cloud.google.com/tpu/docs/v5p (95 GiB HBM2e, 459 TFLOP/s bf16, "
+                       "2765 GB/s; libtpu reports 95.74 GiB usable)"),
     "v6e": dict(hbm=32 * GiB, flops=918e12, hbm_bw=1640e9,
                 source="cloud.google.com/tpu/docs/v6e (32 GiB HBM, 918 TFLOP/s bf16, "
                        "1640 GB/s)"),
@@ -58,7 +58,7 @@ _GRIDS = {
     "v5p": {8: "2x2x1", 16: "2x2x2", 32: "2x4x2", 64: "4x4x2", 128: "4x4x4",
             256: "4x4x8", 512: "4x8x8"},
 }
-PROGRAMS = ("sft_step", "rl_step", "prefill", "decode", "obs_extend")
+PROGRAMS = ("sft_step", "rl_step", "old_logprobs", "prefill", "decode", "obs_extend")
 
 
 class CompileError(ValueError):
@@ -211,17 +211,6 @@ def _vocab_size(cfg) -> int | None:
     return None
 
 
-def train_rows(cfg) -> int:
-  """Rows of one RL optimizer step: data.prompts_per_step × data.group_size, or the
-  ``train.ppo_mini_batch_size`` / ``train.micro_batch_size`` rows when those are set."""
-  rows = int(cfg.data.prompts_per_step) * int(cfg.data.group_size)
-  t = cfg.train
-  for field in ("micro_batch_size", "ppo_micro_batch_size"):
-    if field in t and int(t[field] or 0) > 0:
-      return int(t[field])
-  return rows
-
-
 def compile_programs(cfg, topology: str, programs: Sequence[str] = PROGRAMS,
                      *, log=print) -> list[Report]:
   """Compiles `programs` of config `cfg` for `topology`; returns their reports.
@@ -284,7 +273,7 @@ def compile_programs(cfg, topology: str, programs: Sequence[str] = PROGRAMS,
   def rows_spec(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=shd.batch_sharding(mesh, shape))
 
-  if {"sft_step", "rl_step"} & set(programs):
+  if {"sft_step", "rl_step", "old_logprobs"} & set(programs):
     policy = build.Policy(model_cfg=model_cfg, graphdef=graphdef, mesh=mesh, params=params,
                           param_sh=param_sh, train_preset=train_preset,
                           rollout_preset=rollout_preset)
@@ -296,12 +285,28 @@ def compile_programs(cfg, topology: str, programs: Sequence[str] = PROGRAMS,
       toks, mask = rows_spec((rows, s_len), jnp.int32), rows_spec((rows, s_len), jnp.float32)
       run("sft_step", f"{rows} rows x {s_len} tokens",
           lambda: _jitted(steps.sft_step).lower(params, opt_state, toks, mask))
-    if "rl_step" in programs:
-      rows = train_rows(cfg)
-      toks = rows_spec((rows, s_len), jnp.int32)
-      mask, adv = (rows_spec((rows, s_len), jnp.float32) for _ in range(2))
+    # The RL update as `update.ppo_update` runs it: one `rl_step` on all rows, or (PPO
+    # mini-batches / micro-batches) the old log-probs once plus one `ppo_step` per mini-batch.
+    rows = p * g
+    mini, micro = build.ppo_rows(cfg)
+    whole = mini >= rows and int(cfg.train.ppo_epochs) == 1 and micro >= rows
+    toks, mask, adv = (rows_spec((mini, s_len), dt) for dt in
+                       (jnp.int32, jnp.float32, jnp.float32))
+    if "rl_step" in programs and whole:
       run("rl_step", f"{rows} rows x {s_len} tokens",
           lambda: _jitted(steps.rl_step).lower(params, opt_state, params, toks, mask, adv))
+    elif "rl_step" in programs:
+      n_micro = mini // min(micro, mini)
+      k = min(build.max_generated_tokens(cfg), s_len - 1)
+      old = rows_spec((mini, k), jnp.float32)
+      run("rl_step", f"{mini} rows ({n_micro} x {mini // n_micro}) x {s_len} tokens",
+          lambda: _jitted(steps.ppo_step(n_micro)).lower(params, opt_state, params, toks,
+                                                          mask, adv, old))
+    if "old_logprobs" in programs and not whole:
+      all_toks = rows_spec((rows, s_len), jnp.int32)
+      all_mask = rows_spec((rows, s_len), jnp.float32)
+      run("old_logprobs", f"{rows} rows x {s_len} tokens",
+          lambda: _jitted(steps.logprob_step).lower(params, all_toks, all_mask))
 
   b = p * g
   cache_len = settings.seq_len + 1
