@@ -41,6 +41,8 @@ setuptools.setup(
             "gigrl-convert-hf=gigrl.models.convert:run",
             "gigrl-compile=gigrl.compile:run",
             "gigrl-serve-retriever=gigrl.search.server:run",
+            "gigrl-eval=gigrl.eval_cli:run",
+            "gigrl-sweep=gigrl.sweep:run",
         ]
     },
 )

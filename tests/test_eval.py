@@ -177,3 +177,93 @@ def test_eval_every_lines_and_exact_resume(tmp_path):
     shutil.rmtree(workdir / "checkpoints" / step)
   _train(workdir)
   assert _lines(workdir) == rows
+  # gigrl-eval on the run's latest checkpoint and own held-out questions = the final eval
+  from gigrl import eval_cli  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "eval"
+  assert eval_cli.main(["--workdir", str(workdir), "--datasets", "run,bamboogle",
+                        "--max_questions", "4", "--batch_size", "4", "--output", str(out)]) == 0
+  got = json.load(open(out / "results.json"))
+  assert got["step"] == 5 and set(got["datasets"]) == {"run", "bamboogle"}
+  mine = {k: v for k, v in got["datasets"]["run"].items() if k.startswith("eval/")
+          and not k.endswith("_s") and k != "eval/samples"}
+  assert mine == {k: v for k, v in ev.items() if k.startswith("eval/") and not k.endswith("_s")}
+  table = open(out / "results.md").read()
+  assert "| run | 4 |" in table and "| bamboogle | 4 |" in table and "average" in table
+  assert len(open(out / "samples_bamboogle.jsonl").readlines()) == 4
+
+
+# ------------------------------------------------------------------ gigrl-eval: bad input
+def _eval_cli(*args):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  return subprocess.run([sys.executable, "-m", "gigrl.eval_cli", *args], capture_output=True,
+                        text=True, timeout=300, cwd=ROOT, env=env)
+
+
+def test_resolve_datasets(tmp_path):
+  from gigrl import eval_cli  # pylint: disable=g-import-not-at-top
+  from gigrl.config_utils import ConfigError  # pylint: disable=g-import-not-at-top
+  (tmp_path / "nq").mkdir()
+  (tmp_path / "nq" / "test.jsonl").write_text(
+      json.dumps({"id": "1", "question": "who?", "golden_answers": ["me"]}) + "\n")
+  (tmp_path / "hotpotqa").mkdir()
+  (tmp_path / "hotpotqa" / "dev.jsonl").write_text(
+      json.dumps({"question": "what?", "golden_answers": ["it"]}) + "\n")
+  sets = eval_cli.resolve_datasets("nq,hotpotqa,countries,mine=" + str(
+      tmp_path / "nq" / "test.jsonl"), data_dir=str(tmp_path))
+  assert [s.name for s in sets] == ["nq", "hotpotqa", "countries", "mine"]
+  assert sets[0].questions[0].data_source == "nq" and sets[1].origin.endswith("dev.jsonl")
+  assert all(q.split == "eval" for q in sets[2].questions) and len(sets[2].questions) > 100
+  assert sets[3].questions[0].data_source == "mine"
+  with pytest.raises(ConfigError) as e:
+    eval_cli.resolve_datasets("nq,bogus", data_dir=str(tmp_path))
+  assert e.value.field == "--datasets" and "bogus" in str(e.value)
+  with pytest.raises(ConfigError) as e:
+    eval_cli.resolve_datasets("searchr1", data_dir=str(tmp_path))     # no triviaqa file
+  assert e.value.field == "--data_dir" and "triviaqa" in str(e.value)
+  with pytest.raises(ConfigError) as e:
+    eval_cli.resolve_datasets("triviaqa")
+  assert "need --data_dir" in str(e.value)
+  assert eval_cli.SEARCH_R1_SETS == ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa",
+                                     "musique", "bamboogle")
+
+
+def test_markdown_table_per_dataset():
+  from gigrl import eval_cli  # pylint: disable=g-import-not-at-top
+  a = evaluate.aggregate([_result(1, 1), _result(0, 2), _result(0, 0, answered=False)])
+  b = evaluate.aggregate([_result(1, 1)])
+  a["eval/pass@2"], b["eval/pass@2"] = 0.5, 1.0
+  t = eval_cli.markdown_table({"nq": a, "popqa": b}, ks=[2])
+  lines = t.splitlines()
+  assert lines[0] == ("| dataset | n | EM | F1 | search calls | answered | invalid | pass@2 | "
+                      "EM calls=0 (share) | EM calls=1 (share) | EM calls=2 (share) |")
+  assert lines[2] == ("| nq | 3 | 0.333 | 0.333 | 1.000 | 0.667 | 0.000 | 0.500 | "
+                      "0.000 (0.33) | 1.000 (0.33) | 0.000 (0.33) |")
+  assert lines[3].startswith("| popqa | 1 | 1.000 |") and lines[3].endswith("| - | 1.000 (1.00) | - |")
+  assert lines[4].startswith("| average |  | 0.667 |")
+
+
+@pytest.mark.parametrize("case", ["no_checkpoint", "unknown_dataset", "malformed_file",
+                                  "missing_hf", "bad_k"])
+def test_gigrl_eval_bad_input_exits_2(tmp_path, case):
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text(json.dumps({"question": "q", "golden_answers": ["a"]}) + "\n{not json\n")
+  (tmp_path / "run").mkdir()
+  args, want = {
+      "no_checkpoint": (["--workdir", str(tmp_path / "run"), "--datasets", "bamboogle"],
+                        "no checkpoints/ folder"),
+      "unknown_dataset": (["--workdir", str(tmp_path / "run"), "--datasets", "nq_open"],
+                          "--datasets"),
+      "malformed_file": (["--workdir", str(tmp_path / "run"), "--datasets", str(bad)],
+                         f"{bad}:2: field '<json>'"),
+      "missing_hf": (["--hf_path", str(tmp_path / "nope"), "--datasets", "bamboogle"],
+                     "--hf_path"),
+      "bad_k": (["--workdir", str(tmp_path / "run"), "--datasets", "bamboogle", "--k", "4"],
+                "--k 4"),
+  }[case]
+  proc = _eval_cli(*args)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  err = proc.stderr.strip().splitlines()
+  assert err[-1].startswith("gigrl-eval: error: ") and want in err[-1], err[-3:]
+  if case == "unknown_dataset":
+    assert "nq_open" in err[-1]
