@@ -50,8 +50,19 @@ class StateMismatchError(config_utils.ConfigError):
         "new run.")
 
 
+def checkpoint_dir(workdir: str | epath.PathLike) -> epath.Path:
+  """``<workdir>/checkpoints`` as an ``etils.epath`` path: a ``gs://bucket/run`` workdir stays
+  ``gs://bucket/run/checkpoints`` (no ``os.path`` call ever makes it local)."""
+  return epath.Path(workdir) / "checkpoints"
+
+
 class Checkpointer:
-  """``ocp.CheckpointManager`` for :class:`TrainState` with mismatch and corruption checks."""
+  """``ocp.CheckpointManager`` for :class:`TrainState` with mismatch and corruption checks.
+
+  Multi-host: every process constructs it and calls :meth:`save` / :meth:`restore_latest`
+  with the same step; every saved array must be a global ``jax.Array`` (orbax writes each
+  process's shards, process 0 writes the metadata and JSON item and commits the step).
+  """
 
   def __init__(self, directory: str | epath.PathLike, *, keep: int, async_save: bool = True):
     self.directory = epath.Path(directory)

@@ -35,6 +35,12 @@ config_flags.DEFINE_config_file(
     "config", None, "Config file (e.g. configs/smoke.py); override any field with "
     "--config.<section>.<field>=value.", lock_config=True)
 flags.DEFINE_string("workdir", None, "Output and resume directory (created if missing).")
+flags.DEFINE_string("coordinator_address", None, "Multi-process runs: host:port of process 0 "
+                    "(else $GIGRL_COORDINATOR; multi-host TPU VMs need none).")
+flags.DEFINE_integer("num_processes", None, "Multi-process runs: number of processes "
+                     "(else $GIGRL_NUM_PROCESSES).")
+flags.DEFINE_integer("process_id", None, "Multi-process runs: this process's id, 0 .. "
+                     "num_processes - 1 (else $GIGRL_PROCESS_ID).")
 
 PROG = "gigrl-train"
 SECTIONS = ("data", "model", "rollout", "search", "advantage", "loss", "train", "checkpoint")
@@ -230,9 +236,12 @@ def main(argv: list[str]) -> None:
   if not FLAGS.workdir:
     fail("--workdir is required, e.g. --workdir runs/smoke (see --help)")
   logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
-  if os.environ.get("GIGRL_DISTRIBUTED"):  # multi-host TPU pods (launch/tpu_pod.sh)
-    import jax  # pylint: disable=g-import-not-at-top
-    jax.distributed.initialize()
+  # Multi-process (one per host): explicit coordinator flags / env, or a multi-host TPU VM.
+  from gigrl import distributed  # pylint: disable=g-import-not-at-top
+  try:
+    distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+  except ValueError as e:
+    fail(str(e))
   # pylint: disable=g-import-not-at-top
   from gigrl import config as config_lib
   from gigrl.config_utils import ConfigError, UserError

@@ -101,3 +101,33 @@ def test_config_differences():
       {"train": {"num_steps": 4, "lr": 1.0}, "seed": 0},
       {"train": {"num_steps": 6, "lr": 1.0}, "seed": 0, "new": 1}) == [
           "new: '<absent>' -> 1", "train.num_steps: 4 -> 6"]
+
+
+def test_gs_workdir_stays_remote(monkeypatch):
+  """A ``gs://`` workdir reaches orbax, the run files and the TFDS dir unchanged: no os.path
+  call turns it into a local path (orbax's manager is mocked: no bucket is touched)."""
+  import os  # pylint: disable=import-outside-toplevel
+  from gigrl import metrics as metrics_lib  # pylint: disable=import-outside-toplevel
+
+  def guard(fn):
+    def wrapped(*a, **k):
+      if any("bucket" in str(x) for x in a):
+        raise AssertionError(f"{fn.__name__}{a} on a remote path")
+      return fn(*a, **k)
+    return wrapped
+  for name in ("abspath", "realpath", "expanduser"):
+    monkeypatch.setattr(os.path, name, guard(getattr(os.path, name)))
+  monkeypatch.setattr(os, "makedirs", guard(os.makedirs))
+  seen = {}
+
+  class FakeManager:
+    def __init__(self, directory, **kwargs):
+      seen["directory"] = directory
+
+  monkeypatch.setattr(ckpt_lib.ocp, "CheckpointManager", FakeManager)
+  workdir = "gs://bucket/run"
+  ck = ckpt_lib.Checkpointer(ckpt_lib.checkpoint_dir(workdir), keep=2)
+  assert str(seen["directory"]) == "gs://bucket/run/checkpoints"
+  assert str(ck.directory) == "gs://bucket/run/checkpoints"
+  out = metrics_lib.RunOutputs(workdir, enabled=False)   # process > 0: touches nothing
+  assert str(out.metrics_path) == "gs://bucket/run/metrics.jsonl"

@@ -1,0 +1,159 @@
+"""Multi-host (SPMD, one process per host) start-up and the few host-side collectives a run needs.
+
+Start-up (:func:`initialize`, called by ``gigrl-train`` before anything touches a device):
+
+* explicit: ``--coordinator_address`` / ``--num_processes`` / ``--process_id`` flags, or the
+  ``GIGRL_COORDINATOR`` / ``GIGRL_NUM_PROCESSES`` / ``GIGRL_PROCESS_ID`` environment variables
+  (CPU tests, GPU or other clusters). On CPU the collectives go through gloo
+  (``jax_cpu_collectives_implementation``), set before ``jax.distributed.initialize``;
+* automatic on a multi-host Cloud TPU VM (``TPU_WORKER_HOSTNAMES`` lists several hosts, or
+  ``GIGRL_DISTRIBUTED=1``): ``jax.distributed.initialize()`` finds the coordinator itself.
+
+Collectives (each is a no-op on one process, and every process must call it, in the same order):
+:func:`barrier`, :func:`any_process` (the preemption agreement), :func:`gather_rows`,
+:func:`gather_objects`, :func:`gather_batch` (a process's rollout rows -> the global rollout
+batch on every host), :func:`reduce_metrics`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+
+ENV_COORDINATOR = "GIGRL_COORDINATOR"
+ENV_NUM_PROCESSES = "GIGRL_NUM_PROCESSES"
+ENV_PROCESS_ID = "GIGRL_PROCESS_ID"
+
+
+def _tpu_multihost() -> bool:
+  hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+  return os.environ.get("GIGRL_DISTRIBUTED", "") not in ("", "0") or "," in hosts
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None) -> bool:
+  """Joins the run's processes (``jax.distributed.initialize``) when there are several.
+
+  Arguments left None are read from ``GIGRL_COORDINATOR`` (``host:port``),
+  ``GIGRL_NUM_PROCESSES`` and ``GIGRL_PROCESS_ID``. Without a coordinator, a multi-host TPU VM
+  (:func:`_tpu_multihost`) initialises from the TPU metadata; anything else stays one process.
+
+  Returns:
+    True if ``jax.distributed.initialize`` was called.
+  Raises:
+    ValueError: a coordinator without a process count and id (or the reverse).
+  """
+  env = os.environ
+  coordinator_address = coordinator_address or env.get(ENV_COORDINATOR) or None
+  if num_processes is None and env.get(ENV_NUM_PROCESSES):
+    num_processes = int(env[ENV_NUM_PROCESSES])
+  if process_id is None and env.get(ENV_PROCESS_ID):
+    process_id = int(env[ENV_PROCESS_ID])
+  if coordinator_address:
+    if num_processes is None or process_id is None:
+      raise ValueError(f"--coordinator_address {coordinator_address} needs --num_processes and "
+                       f"--process_id (or {ENV_NUM_PROCESSES} / {ENV_PROCESS_ID})")
+    if num_processes == 1:
+      return False
+    # CPU devices need gloo for cross-process collectives (ignored by TPU / GPU backends).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes, process_id=process_id)
+    return True
+  if num_processes not in (None, 1) or process_id not in (None, 0):
+    raise ValueError("--num_processes / --process_id need --coordinator_address (or "
+                     f"{ENV_COORDINATOR})")
+  if _tpu_multihost():
+    jax.distributed.initialize()
+    return True
+  return False
+
+
+def is_main() -> bool:
+  """True on process 0, the one process that writes run files (metrics, samples, plots)."""
+  return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+  """Waits until every process reaches the barrier ``name``."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    multihost_utils.sync_global_devices(name)
+
+
+def any_process(flag: bool) -> bool:
+  """True if ``flag`` is True on any process (an all-reduce max of one bit).
+
+  Every process calls it once per step with its own stop request, so a SIGTERM that reached
+  one host only makes every host stop after the same step.
+  """
+  if jax.process_count() == 1:
+    return bool(flag)
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return bool(np.any(multihost_utils.process_allgather(np.asarray(bool(flag)))))
+
+
+def process_rows(num_rows: int) -> slice:
+  """The slice of ``num_rows`` global rows this process owns (contiguous, in process order).
+
+  Raises:
+    ValueError: ``num_rows`` is not divisible by the process count.
+  """
+  n, i = jax.process_count(), jax.process_index()
+  if num_rows % n:
+    raise ValueError(f"{num_rows} rows cannot be split evenly over {n} processes")
+  per = num_rows // n
+  return slice(i * per, (i + 1) * per)
+
+
+def gather_rows(x: np.ndarray) -> np.ndarray:
+  """Concatenates every process's ``x`` (same shape on each) along dim 0, in process order."""
+  x = np.asarray(x)
+  if jax.process_count() == 1:
+    return x
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def gather_objects(items: Sequence[Any]) -> list[Any]:
+  """Concatenates every process's JSON-serialisable list, in process order (lengths may
+  differ); the lists travel as padded UTF-8 byte arrays."""
+  if jax.process_count() == 1:
+    return list(items)
+  data = np.frombuffer(json.dumps(list(items)).encode("utf-8"), np.uint8)
+  sizes = gather_rows(np.asarray([data.size], np.int64))
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[:data.size] = data
+  parts = gather_rows(padded[None])
+  out: list[Any] = []
+  for part, size in zip(parts, sizes):
+    out += json.loads(part[:int(size)].tobytes().decode("utf-8"))
+  return out
+
+
+def gather_batch(batch: Any) -> Any:
+  """A dataclass of per-row fields (e.g. ``TrajectoryBatch``: numpy arrays and per-row lists)
+  with every process's rows, in process order: the global batch, the same on every host."""
+  if jax.process_count() == 1:
+    return batch
+  fields = {}
+  for f in dataclasses.fields(batch):
+    v = getattr(batch, f.name)
+    fields[f.name] = gather_rows(v) if isinstance(v, np.ndarray) else gather_objects(v)
+  return dataclasses.replace(batch, **fields)
+
+
+def reduce_metrics(metrics: Mapping[str, float], *, maximum: Sequence[str] = ()
+                   ) -> dict[str, float]:
+  """Sums each metric over processes (counts); keys in ``maximum`` (wall times) take the
+  maximum. Every process must pass the same keys."""
+  keys = sorted(metrics)
+  if jax.process_count() == 1:
+    return {k: float(metrics[k]) for k in keys}
+  vals = gather_rows(np.asarray([[float(metrics[k]) for k in keys]], np.float64))
+  return {k: float(vals[:, i].max() if k in maximum else vals[:, i].sum())
+          for i, k in enumerate(keys)}
