@@ -269,6 +269,18 @@ class _Facts:
     raise KeyError(rel)
 
 
+def count_train_questions(hops: int, path: str | None = None) -> int:
+  """Number of training questions with ``hops`` hops in a questions file (default: shipped).
+
+  Training ids sort 1-hop first, so ``train.sft_questions = count_train_questions(1)`` takes
+  exactly the 1-hop training questions.
+  """
+  path = path or os.path.join(default_dir(), QUESTIONS_FILE)
+  with open(path, encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  return sum(r.get("split") == "train" and r.get("hops") == hops for r in rows)
+
+
 def _pick(templates: Sequence[str], key: str) -> str:
   digest = hashlib.sha256(key.encode()).digest()
   return templates[int.from_bytes(digest[:4], "big") % len(templates)]
