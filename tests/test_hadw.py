@@ -164,3 +164,24 @@ class BatchAccuracyOverAllGroupsTest(parameterized.TestCase):
       phi = ref(r, v, base, y=float(all_r.mean()))
       np.testing.assert_allclose(np.asarray(adv), (base * phi)[:, :, None].repeat(t, -1),
                                  rtol=1e-5, atol=1e-6)
+
+
+def test_advantage_inputs_carry_every_rolled_out_group_for_y_t():
+  """rl_batch hands HA-DW all C candidate groups (padded to k·P), not only the P trained."""
+  from gigrl import rl_batch
+  from gigrl.rollout import trajectory as traj_lib
+  g, c, p = 2, 3, 1
+  rows = []
+  for _ in range(c * g):
+    tb = traj_lib.TrajectoryBuilder()
+    tb.add_prompt([1, 2], anchor="q")
+    tb.add_generation([10], "<answer> a </answer>")
+    rows.append(tb)
+  batch = traj_lib.collate(rows, 8, 0)
+  rewards = np.array([[1, 0], [1, 1], [0, 0]], np.float32)
+  trained, valid = rl_batch.train_rows([5, 6, 7], [6], p, g)
+  x = rl_batch.advantage_inputs(batch, rewards, trained, valid, 2, anchor_grouping=None,
+                                num_candidates=4)
+  np.testing.assert_array_equal(x.rewards, [[1, 1]])
+  np.testing.assert_array_equal(x.batch_rewards[:3], rewards)
+  np.testing.assert_array_equal(x.batch_valid.sum(-1), [2, 2, 2, 0])   # padded to k·P = 4
