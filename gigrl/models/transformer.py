@@ -188,7 +188,8 @@ def _is_half(dtype) -> bool:
   return jnp.dtype(dtype).itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
 
 
-def write_cache(buf: jax.Array, idx: tuple, new: jax.Array) -> jax.Array:
+def write_cache(buf: jax.Array, idx: tuple, new: jax.Array, *,
+                as_bits: bool = True) -> jax.Array:
   """`buf.at[idx].set(new, mode="drop")`, in buf's dtype.
 
   Args:
@@ -199,10 +200,12 @@ def write_cache(buf: jax.Array, idx: tuple, new: jax.Array) -> jax.Array:
     The updated buffer (same shape and dtype).
 
   XLA:CPU has no 16-bit float scatter: it converts the whole bf16 cache to f32 and
-  back around the scatter. A 16-bit cache is therefore scattered as uint16 bits.
+  back around the scatter. A 16-bit cache is therefore scattered as uint16 bits when
+  `as_bits` (the CPU backend). Accelerators scatter bf16 natively; there the bitcasts
+  would cost whole-cache copies (the TPU compiler allocated 6x the cache in temporaries).
   """
   new = new.astype(buf.dtype)
-  if not _is_half(buf.dtype):
+  if not (as_bits and _is_half(buf.dtype)):
     return buf.at[idx].set(new, mode="drop")
   bits = jax.lax.bitcast_convert_type(buf, jnp.uint16)
   bits = bits.at[idx].set(jax.lax.bitcast_convert_type(new, jnp.uint16), mode="drop")
@@ -451,8 +454,9 @@ class Transformer(nnx.Module):
       def attention(q, k, v):
         # Scatter only the B*C new entries into the carried cache (in place), then
         # read this layer's slab (or its filled blocks) for attention.
-        ks2 = write_cache(ks, (i, rows, slots), k)
-        vs2 = write_cache(vs, (i, rows, slots), v)
+        bits = cfg.backend == "cpu"
+        ks2 = write_cache(ks, (i, rows, slots), k, as_bits=bits)
+        vs2 = write_cache(vs, (i, rows, slots), v, as_bits=bits)
         if blocked:
           o = attn.attend_cache_blocks(q, ks2, vs2, positions, block=cfg.cache_block,
                                        n_blocks=n_blocks, layer=i)
