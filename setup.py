@@ -2,6 +2,9 @@
 import setuptools
 
 CORE = [
+    # Tested with jax 0.10.2 / flax 0.12.8 (the newest releases on PyPI when pinned); any jax 0.10.x
+    # is accepted so a runtime that ships one (e.g. Colab) keeps its own build. Older jax/flax
+    # lines were not tested, so they are not allowed.
     "jax>=0.10,<0.11",
     "flax>=0.12,<0.13",
     "optax>=0.2.5",
@@ -21,7 +24,8 @@ CORE = [
     "absl-py>=2.1",
     "importlib_resources>=6.0",  # tfds builders need it (no TensorFlow)
 ]
-TEST = ["pytest>=8", "hypothesis>=6.100"]
+# nbclient + ipykernel: tests/test_notebooks.py runs each notebook through a real kernel.
+TEST = ["pytest>=8", "hypothesis>=6.100", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"]
 HF = ["torch==2.13.0", "transformers>=4.50"]
 
 setuptools.setup(
