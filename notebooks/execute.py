@@ -1,0 +1,41 @@
+"""Executes notebooks through a Jupyter kernel and saves them with their outputs.
+
+  python notebooks/execute.py                       # every notebook, full size, in place
+  GIGRL_NOTEBOOK_CI=1 python notebooks/execute.py paper_claims.ipynb   # CI size
+
+Used to refresh the committed outputs (full size, once) after a change; tests/test_notebooks.py
+runs the same kernel at CI size without saving.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import nbformat
+from nbclient import NotebookClient
+
+NB_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def execute(name: str, timeout: int = 3600) -> None:
+  """Runs ``notebooks/<name>`` top to bottom (cwd = notebooks/) and writes it back with outputs.
+
+  Raises:
+    nbclient.exceptions.CellExecutionError: a cell raised (the notebook is still saved, with the
+      error in that cell's output).
+  """
+  path = os.path.join(NB_DIR, name)
+  nb = nbformat.read(path, as_version=4)
+  t0 = time.time()
+  try:
+    NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                   resources={"metadata": {"path": NB_DIR}}).execute()
+  finally:
+    nbformat.write(nb, path)
+    print(f"{name}: {time.time() - t0:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+  for n in sys.argv[1:] or sorted(f for f in os.listdir(NB_DIR) if f.endswith(".ipynb")):
+    execute(os.path.basename(n))
