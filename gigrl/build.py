@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gigrl import advantages as adv_lib
+from gigrl import distributed
 from gigrl import loss as loss_lib
 from gigrl import models
 from gigrl import update as update_lib
@@ -65,7 +66,13 @@ def load_data(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike) -> 
   tokenizer = tok_lib.load(d.tokenizer)
   tfds_dir = d.tfds_dir or str(epath.Path(workdir) / "tfds")
   files = [d.questions_file] if d.questions_file else None
-  builder = tfds_qa.build(tfds_dir, files, d.eval_percent)
+  # Process 0 builds the TFDS dataset; the others wait, then open the finished build (two
+  # processes preparing one directory at once race on its files).
+  if distributed.is_main():
+    builder = tfds_qa.build(tfds_dir, files, d.eval_percent)
+  distributed.barrier("gigrl_tfds_build")
+  if not distributed.is_main():
+    builder = tfds_qa.build(tfds_dir, files, d.eval_percent)
   train = tfds_qa.read_split(builder, "train")
   if not d.questions_file:
     sources = [s.strip() for s in d.train_sources.split(",") if s.strip()]
@@ -200,6 +207,33 @@ def put_rows(mesh: jax.sharding.Mesh, x: np.ndarray) -> jax.Array:
   """
   spec = P(sharding_lib.BATCH, *([None] * (x.ndim - 1)))
   return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), np.asarray(x))
+
+
+def put_global_rows(mesh: jax.sharding.Mesh, x: np.ndarray) -> jax.Array:
+  """Global host rows (the same ``x`` on every process) -> a global array, rows over
+  ``('data', 'fsdp')``; each process copies only the rows of its own devices
+  (``jax.make_array_from_callback``: no cross-process equality check, no full copy per chip).
+  """
+  x = np.asarray(x)
+  spec = P(sharding_lib.BATCH, *([None] * (x.ndim - 1)))
+  return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda idx: x[idx])
+
+
+def replicated(mesh: jax.sharding.Mesh, tree: Any) -> Any:
+  """Every array leaf of ``tree`` (host or single-device, the same on every process) as a
+  global array replicated over ``mesh``: what orbax saves on several processes."""
+  sh = NamedSharding(mesh, P())
+
+  def put(x):
+    x = np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
+    return jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx])
+  return jax.tree.map(put, tree)
+
+
+def local_copy(tree: Any) -> Any:
+  """Inverse of :func:`replicated`: each (replicated) leaf as a host numpy array."""
+  return jax.tree.map(
+      lambda x: np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x), tree)
 
 
 # ----------------------------------------------------------------------------------- steps

@@ -119,6 +119,17 @@ def gather_rows(x: np.ndarray) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def fetch(x: Any) -> np.ndarray:
+  """A (possibly multi-host, e.g. batch-sharded) ``jax.Array`` as a whole host numpy array on
+  every process (``np.asarray`` fails on arrays spanning other hosts' devices)."""
+  if not isinstance(x, jax.Array) or x.is_fully_addressable:
+    return np.asarray(x)
+  if x.is_fully_replicated:
+    return np.asarray(x.addressable_data(0))
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def gather_objects(items: Sequence[Any]) -> list[Any]:
   """Concatenates every process's JSON-serialisable list, in process order (lengths may
   differ); the lists travel as padded UTF-8 byte arrays."""

@@ -12,6 +12,7 @@ CPU (see docs/architecture.md, "Resume").
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ from tqdm import tqdm
 
 from gigrl import build
 from gigrl import checkpoint as ckpt_lib
+from gigrl import distributed
 from gigrl import evaluate as evaluate_lib
 from gigrl import metrics as metrics_lib
 from gigrl import rl_batch
@@ -78,12 +80,46 @@ class _StopSignals:
       signal.signal(sig, prev)
 
 
+class _ProcessShare:
+  """A rollout engine over the global rows: each process rolls out (decodes, and searches for)
+  only its contiguous share of ``questions``, then every process gets the whole batch back
+  (:func:`gigrl.distributed.gather_batch`) with global metrics (counts summed; wall times and
+  decode steps the slowest process's). One process: the engine itself.
+
+  Questions are padded (repeating the last) to a multiple of the mesh's batch devices, so each
+  process's rows split over its devices; the padding rows are dropped from the result.
+  """
+
+  def __init__(self, engine, mesh: jax.sharding.Mesh):
+    self.engine, self.mesh = engine, mesh
+
+  def run(self, params, questions, key):
+    if jax.process_count() == 1:
+      return self.engine.run(params, questions, key)
+    n = len(questions)
+    multiple = int(np.lcm(jax.process_count(), build.batch_axis_size(self.mesh)))
+    padded = list(questions) + [questions[-1]] * (-n % multiple)
+    local, metrics = self.engine.run(params, padded[distributed.process_rows(len(padded))], key)
+    batch = distributed.gather_batch(local)
+    if len(padded) > n:
+      batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name)[:n]
+                                            for f in dataclasses.fields(batch)})
+    # counts (tokens, callbacks, retriever requests) add up over processes; wall times and the
+    # decode loop's step count (one loop over the global batch) are the slowest process's
+    metrics = distributed.reduce_metrics(
+        metrics, maximum=[k for k in metrics if k.startswith("time/")
+                          or k == "rollout/decode_steps"])
+    return batch, metrics
+
+
 class Trainer:
   """One run: builds everything from the config, then :meth:`run` loops over the steps."""
 
   def __init__(self, cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike):
     self.cfg, self.workdir = cfg, epath.Path(workdir)
-    self.out = metrics_lib.RunOutputs(self.workdir)
+    # multi-host: every process runs this same program on its own rows (SPMD); process 0
+    # alone writes the run's files.
+    self.out = metrics_lib.RunOutputs(self.workdir, enabled=distributed.is_main())
     self.data = build.load_data(cfg, self.workdir)
     _log(f"data: {len(self.data.train)} train / {len(self.data.eval)} eval questions")
     self.tokenizer = self.data.tokenizer
@@ -94,12 +130,14 @@ class Trainer:
     self.adv_cfg, self.adv_fn, adv_state = build.build_advantages(cfg)
     self.retriever = search_lib.make_retriever(cfg.search)
     self.settings = build.rollout_settings(cfg)
-    self.engine = build.build_engine(cfg, self.policy, self.tokenizer, self.retriever)
+    self.engine = _ProcessShare(
+        build.build_engine(cfg, self.policy, self.tokenizer, self.retriever), self.policy.mesh)
     p = cfg.data.pool
     self.pool = pool_lib.QueryPool(
         len(self.data.train), rule=p.rule, batch_size=cfg.data.prompts_per_step,
         oversample=p.oversample, success_threshold=p.success_threshold, seed=cfg.seed)
-    self.ckpt = ckpt_lib.Checkpointer(self.workdir / "checkpoints", keep=cfg.checkpoint.keep,
+    self.ckpt = ckpt_lib.Checkpointer(ckpt_lib.checkpoint_dir(self.workdir),
+                                      keep=cfg.checkpoint.keep,
                                       async_save=cfg.checkpoint.async_save)
     params = self.policy.params
     # ref_params is None until RL starts (the checkpoint stores the params in its slot).
@@ -113,7 +151,10 @@ class Trainer:
 
   def _checkpointed(self, state: state_lib.TrainState) -> state_lib.TrainState:
     ref = state.params if state.ref_params is None else state.ref_params
-    return state.replace(ref_params=ref, pool=self.pool.state_dict())
+    # The advantage state is host / single-device data (the same on every process); orbax
+    # saves only global arrays on several processes, so it is checkpointed replicated.
+    return state.replace(ref_params=ref, pool=self.pool.state_dict(),
+                         adv_state=build.replicated(self.policy.mesh, state.adv_state))
 
   def _save(self, phase: str, force: bool = False) -> None:
     state = self._checkpointed(self.state)
@@ -137,6 +178,7 @@ class Trainer:
     self.pool.load_state_dict(state.pool)
     if state.step <= self.cfg.train.sft_steps:
       state = state.replace(ref_params=None)
+    state = state.replace(adv_state=build.local_copy(state.adv_state))
     self.state = state
     _log(f"resumed from checkpoint step {state.step} ({meta.get('phase')})")
 
@@ -152,6 +194,7 @@ class Trainer:
     self.out.truncate_metrics_after(start if start else -1)
     bar = tqdm(total=total, initial=start, desc="gigrl", unit="step", dynamic_ncols=True)
     try:
+      stopped = False
       with _StopSignals() as stop:
         demos = self._demonstrations() if start < sft_steps else None
         if start == 0 and self._eval_due(0):       # no SFT: evaluate the initial policy
@@ -175,14 +218,18 @@ class Trainer:
           saved = step % cfg.checkpoint.every_steps == 0 or step == total
           if saved:
             self._save(record["phase"])
-          if stop.name:
+          # Every process stops after the same step when any got SIGTERM / Ctrl-C (an
+          # all-reduce of one bit; a preemption notice reaches hosts at different times).
+          if distributed.any_process(stop.name is not None):
             if not saved:
               self._save(record["phase"], force=True)
             self.ckpt.wait()
-            _log(f"{stop.name}: checkpoint at step {step} written; exiting")
+            why = stop.name or "stop requested on another process"
+            _log(f"{why}: checkpoint at step {step} written; exiting")
+            stopped = True
             break
         self.ckpt.wait()
-        if not stop.name and cfg.train.eval_questions:
+        if not stopped and cfg.train.eval_questions:
           self._final_eval(total)
       self.out.plot()
     finally:
@@ -207,7 +254,8 @@ class Trainer:
           "the learning rate (train.learning_rate / train.sft_learning_rate) and rerun")
 
   def _put(self, x: np.ndarray) -> jax.Array:
-    return build.put_rows(self.policy.mesh, x)
+    """Global rows (the same on every process) -> a batch-sharded global array."""
+    return build.put_global_rows(self.policy.mesh, x)
 
   @staticmethod
   def _update_metrics(m: dict[str, Any]) -> dict[str, Any]:
@@ -264,6 +312,9 @@ class Trainer:
     key = jax.random.fold_in(jax.random.key(cfg.seed), step)
     self.retriever.new_step()
     search_before = self.retriever.metrics()
+    # Each process rolls out its own share of the rows (_ProcessShare); the batch is then
+    # global on every process, so the pool decision, advantages and metrics below are the same
+    # computation on every host (no decision to broadcast).
     batch, rmetrics = self.engine.run(self.policy.rollout_params(self.state.params),
                                       [q.question for q in padded for _ in range(g)], key)
     t_roll = time.perf_counter() - t_start
@@ -311,8 +362,9 @@ class Trainer:
         **{k: float(v) for k, v in pmetrics.items()},
         **{k: float(v) for k, v in rmetrics.items()},
         # this step's search counters (the retriever's counters are cumulative)
-        **{f"search/{k}": float(v - search_before.get(k, 0))
-           for k, v in self.retriever.metrics().items()},
+        **{f"search/{k}": v for k, v in distributed.reduce_metrics(
+            {k: float(v - search_before.get(k, 0))
+             for k, v in self.retriever.metrics().items()}).items()},
     }
     if step % cfg.train.sample_every == 0:
       self._write_samples(f"step_{step:06d}.txt", step, batch, questions,
@@ -350,8 +402,8 @@ class Trainer:
     if getattr(self, "_last_eval", (None,))[0] == step:
       return self._last_eval
     if getattr(self, "_eval_engine", None) is None:
-      self._eval_engine = build.build_engine(self.cfg, self.policy, self.tokenizer,
-                                             self.retriever, greedy=True)
+      self._eval_engine = _ProcessShare(build.build_engine(
+          self.cfg, self.policy, self.tokenizer, self.retriever, greedy=True), self.policy.mesh)
       d = self.cfg.data
       files = ([d.questions_file] if d.questions_file else
                [os.path.join(qa_lib.bundled_dir(), f) for f in qa_lib.BUNDLED_QUESTION_FILES])

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from gigrl import distributed
 from gigrl import loss as loss_lib
 from gigrl.models import logprobs as logprobs_lib
 
@@ -391,7 +392,8 @@ def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
     params, opt_state, m = steps.rl_step(params, opt_state, ref_params, put(tokens),
                                          put(loss_mask), put(token_advantages))
     return params, opt_state, dict(jax.device_get(m), **{"train/updates": 1})
-  old = np.asarray(jax.device_get(steps.logprob_step(params, put(tokens), put(loss_mask))))
+  # (distributed.fetch: on several processes the log-probs span every host's devices)
+  old = distributed.fetch(steps.logprob_step(params, put(tokens), put(loss_mask)))
   n_micro = mini_batch_rows // min(micro, mini_batch_rows)
   ppo_step = steps.ppo_step(n_micro)
   history = []
