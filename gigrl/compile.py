@@ -120,6 +120,11 @@ class Report:
     compile_s: compile time (s); kernels: Pallas (Mosaic) kernel calls in the program.
     error: the compiler's out-of-memory message when it refused the program (then
       temp_bytes is the requirement it states and the other figures are 0).
+    model_flops: per device, the analytic count (2 N FLOPs per token forward, 6 N with
+      the backward, 8 N with full remat; N = non-embedding parameters + LM head), since
+      `cost_analysis` counts each while-loop body (layer scan, micro-batches) once.
+    steps: sequential steps the program runs (decode: max_new_tokens); each reads the
+      arguments (weights, cache) once.
   """
   name: str
   shapes: str
@@ -135,6 +140,8 @@ class Report:
   compile_s: float
   kernels: int = 0
   error: str = ""
+  model_flops: float = 0.0
+  steps: int = 1
 
   @property
   def total_bytes(self) -> int:
@@ -146,8 +153,11 @@ class Report:
 
   @property
   def roofline_s(self) -> float:
-    """max(FLOPs / peak FLOP/s, bytes accessed / HBM bandwidth), seconds."""
-    return max(self.flops / self.peak_flops, self.bytes_accessed / self.hbm_bw)
+    """Lower bound, seconds: max(FLOPs / peak bf16 FLOP/s, bytes / HBM bandwidth) with
+    FLOPs = max(XLA's, analytic) and bytes = max(XLA's, steps x argument bytes)."""
+    flops = max(self.flops, self.model_flops)
+    moved = max(self.bytes_accessed, self.steps * self.argument_bytes)
+    return max(flops / self.peak_flops, moved / self.hbm_bw)
 
   def line(self) -> str:
     g = lambda b: f"{b / GiB:7.2f}"  # noqa: E731
@@ -155,12 +165,13 @@ class Report:
       return f"{self.name:<11} OVER: {self.error}  {self.shapes}"
     return (f"{self.name:<11} {g(self.argument_bytes)} {g(self.temp_bytes)} "
             f"{g(self.output_bytes)} {g(self.total_bytes)} / {self.hbm / GiB:5.1f} "
-            f"{'fits' if self.fits else 'OVER':<5} {self.flops / 1e12:9.2f} "
+            f"{'fits' if self.fits else 'OVER':<5} "
+            f"{max(self.flops, self.model_flops) / 1e12:9.2f} "
             f"{self.roofline_s * 1e3:9.1f}  {self.shapes}")
 
 
 HEADER = (f"{'program':<11} {'args':>7} {'temps':>7} {'outs':>7} {'total':>7} / "
-          f"{'HBM':>5} {'':<5} {'TFLOP/dev':>9} {'roofl. ms':>9}  shapes (GiB per device)")
+          f"{'HBM':>5} {'':<5} {'TFLOP/dev':>9} {'roofl. ms':>9}  shapes (GiB per device; roofline = lower bound)")
 
 
 def _report(name, shapes, compiled, chip, compile_s) -> Report:
@@ -256,7 +267,16 @@ def compile_programs(cfg, topology: str, programs: Sequence[str] = PROGRAMS,
   p, g = int(cfg.data.prompts_per_step), int(cfg.data.group_size)
   reports = []
 
-  def run(name, shapes, fn):
+  n_dev = len(devices)
+  # Matmul parameters: the LM head counts, the embedding lookup does not.
+  n_flop = model_cfg.num_params - (0 if model_cfg.tie_embeddings
+                                   else model_cfg.vocab_size * model_cfg.hidden_size)
+  train_factor = 8 if model_cfg.remat == "full" else 6
+
+  def flops(tokens, per_token):
+    return per_token * n_flop * tokens / n_dev
+
+  def run(name, shapes, fn, model_flops=0.0, steps=1):
     t0 = time.perf_counter()
     try:
       with jax.set_mesh(mesh):
@@ -266,6 +286,7 @@ def compile_programs(cfg, topology: str, programs: Sequence[str] = PROGRAMS,
       if "RESOURCE_EXHAUSTED" not in str(e):
         raise
       rep = _oom_report(name, shapes, str(e), chip, time.perf_counter() - t0)
+    rep.model_flops, rep.steps = model_flops, steps
     if log:
       log(rep.line())
     reports.append(rep)
@@ -284,7 +305,8 @@ def compile_programs(cfg, topology: str, programs: Sequence[str] = PROGRAMS,
       rows = int(cfg.train.sft_batch_size)
       toks, mask = rows_spec((rows, s_len), jnp.int32), rows_spec((rows, s_len), jnp.float32)
       run("sft_step", f"{rows} rows x {s_len} tokens",
-          lambda: _jitted(steps.sft_step).lower(params, opt_state, toks, mask))
+          lambda: _jitted(steps.sft_step).lower(params, opt_state, toks, mask),
+          flops(rows * s_len, train_factor))
     # The RL update as `update.ppo_update` runs it: one `rl_step` on all rows, or (PPO
     # mini-batches / micro-batches) the old log-probs once plus one `ppo_step` per mini-batch.
     rows = p * g
@@ -294,19 +316,22 @@ def compile_programs(cfg, topology: str, programs: Sequence[str] = PROGRAMS,
                        (jnp.int32, jnp.float32, jnp.float32))
     if "rl_step" in programs and whole:
       run("rl_step", f"{rows} rows x {s_len} tokens",
-          lambda: _jitted(steps.rl_step).lower(params, opt_state, params, toks, mask, adv))
+          lambda: _jitted(steps.rl_step).lower(params, opt_state, params, toks, mask, adv),
+          flops(rows * s_len, train_factor))
     elif "rl_step" in programs:
       n_micro = mini // min(micro, mini)
       k = min(build.max_generated_tokens(cfg), s_len - 1)
       old = rows_spec((mini, k), jnp.float32)
       run("rl_step", f"{mini} rows ({n_micro} x {mini // n_micro}) x {s_len} tokens",
           lambda: _jitted(steps.ppo_step(n_micro)).lower(params, opt_state, params, toks,
-                                                          mask, adv, old))
+                                                          mask, adv, old),
+          flops(mini * s_len, train_factor))
     if "old_logprobs" in programs and not whole:
       all_toks = rows_spec((rows, s_len), jnp.int32)
       all_mask = rows_spec((rows, s_len), jnp.float32)
       run("old_logprobs", f"{rows} rows x {s_len} tokens",
-          lambda: _jitted(steps.logprob_step).lower(params, all_toks, all_mask))
+          lambda: _jitted(steps.logprob_step).lower(params, all_toks, all_mask),
+          flops(rows * s_len, 2))
 
   b = p * g
   cache_len = settings.seq_len + 1
@@ -325,7 +350,8 @@ def compile_programs(cfg, topology: str, programs: Sequence[str] = PROGRAMS,
 
   if "prefill" in programs:
     run("prefill", f"{b} rows x {settings.max_prompt_tokens} tokens, cache {cache_len}",
-        extend_program(settings.max_prompt_tokens))
+        extend_program(settings.max_prompt_tokens),
+        flops(b * settings.max_prompt_tokens, 2))
   if "decode" in programs:
     key = jax.eval_shape(lambda: jax.random.key(0))
     stops = jax.ShapeDtypeStruct((2, 4), jnp.int32)
@@ -339,10 +365,11 @@ def compile_programs(cfg, topology: str, programs: Sequence[str] = PROGRAMS,
 
     fn = jax.jit(decode, donate_argnums=(1,))
     run("decode", f"{b} rows x {settings.max_new_tokens} new tokens, cache {cache_len}",
-        lambda: fn.lower(roll_params, cache, logits, key, active, lens, stops))
+        lambda: fn.lower(roll_params, cache, logits, key, active, lens, stops),
+        flops(b * settings.max_new_tokens, 2), steps=settings.max_new_tokens)
   if "obs_extend" in programs:
     run("obs_extend", f"{b} rows x {settings.obs_width} tokens, cache {cache_len}",
-        extend_program(settings.obs_width))
+        extend_program(settings.obs_width), flops(b * settings.obs_width, 2))
   return reports
 
 
