@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Any, Callable, Sequence
 
 import jax
@@ -38,6 +39,7 @@ from gigrl.data import tfds_qa
 from gigrl.data import tokenizer as tok_lib
 from gigrl.models import sharding as sharding_lib
 from gigrl.rollout import engine as engine_lib
+from gigrl.rollout import turns as turns_lib
 
 
 # ------------------------------------------------------------------------------------ data
@@ -85,17 +87,38 @@ def load_data(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike) -> 
     train = [q for q in train if q.data_source in set(sources)]
   # TFDS shuffles rows by key hash at build time; sort for a readable, stable order.
   train.sort(key=lambda q: (q.data_source, q.id))
+  limit = int(cfg.rollout.max_prompt_tokens)
+  train = drop_overlong_prompts(train, tokenizer, limit, "training")
   if d.max_train_questions:
     train = train[:d.max_train_questions]
   field = "data.questions_file" if d.questions_file else "data.train_sources"
   if not train:
     raise ConfigError(field, d.questions_file or d.train_sources,
-                      "a set with training questions (check data.eval_percent and "
+                      "a set with training questions (check data.eval_percent, "
+                      "rollout.max_prompt_tokens and "
                       "data.max_train_questions)")
   held_out = tfds_qa.read_split(builder, "eval")
   held_out.sort(key=lambda q: (q.data_source, q.id))
+  held_out = drop_overlong_prompts(held_out, tokenizer, limit, "held-out")
   check_no_leak(train, held_out, field, d.questions_file or d.train_sources)
   return Data(train=train, eval=held_out, tokenizer=tokenizer)
+
+
+def drop_overlong_prompts(questions: Sequence[qa.Question], tokenizer, max_prompt_tokens: int,
+                          split: str) -> list[qa.Question]:
+  """Drops the questions whose Search-R1 prompt has more than ``max_prompt_tokens`` tokens.
+
+  As verl's ``data.filter_overlong_prompts=True``: a rollout cannot start from a prompt that
+  does not fit its prompt budget, so such questions never reach the engine (which would raise
+  mid-run). The number dropped is printed once (process 0) naming ``rollout.max_prompt_tokens``.
+  """
+  kept = [q for q in questions
+          if len(turns_lib.prompt_ids(tokenizer, q.question)) <= max_prompt_tokens]
+  if len(kept) < len(questions) and distributed.is_main():
+    print(f"[gigrl] data: dropped {len(questions) - len(kept)} of {len(questions)} {split} "
+          f"questions whose prompt exceeds rollout.max_prompt_tokens={max_prompt_tokens}",
+          file=sys.stderr)
+  return kept
 
 
 def check_no_leak(train: Sequence[qa.Question], held_out: Sequence[qa.Question], field: str,

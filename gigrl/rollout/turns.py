@@ -131,6 +131,11 @@ def tag_tail_length(tokenizer, ids: Sequence[int], tag: str) -> int:
   return 0
 
 
+def prompt_ids(tokenizer, question: str) -> list[int]:
+  """The token ids of one question's Search-R1 prompt (chat template applied)."""
+  return list(tokenizer.encode(tokenizer.apply_chat_template(protocol.make_prompt(question))))
+
+
 def encode_prompts(tokenizer, questions: Sequence[str], max_prompt_tokens: int
                    ) -> list[list[int]]:
   """Search-R1 prompts (chat template applied), one token list per question.
@@ -140,7 +145,7 @@ def encode_prompts(tokenizer, questions: Sequence[str], max_prompt_tokens: int
   """
   out = []
   for q in questions:
-    ids = tokenizer.encode(tokenizer.apply_chat_template(protocol.make_prompt(q)))
+    ids = prompt_ids(tokenizer, q)
     if len(ids) > max_prompt_tokens:
       raise ValueError(f"prompt of question {q[:60]!r} has {len(ids)} tokens > "
                        f"rollout.max_prompt_tokens={max_prompt_tokens}")
