@@ -9,8 +9,9 @@ no training question names) and on the RL's training questions.
 
 RL from the warm start is run twice: as the pipeline computes it, and with the token advantages
 negated. On the training-question batch the first must end above the second. A sign bug anywhere from the
-estimator to the loss swaps the two runs and fails the test; a loss mask that misses the
-generated tokens makes them equal and fails it. Why a comparison and not "RL raises it": at
+estimator to the loss swaps the two runs and fails the test (shown by negating
+``rl_batch.token_advantages`` for the whole test); a loss mask that misses the generated
+tokens would make the two runs equal and fail it too (argued, not run). Why a comparison and not "RL raises it": at
 this size any update lowers the freshly fitted SFT log-probs (a second-order loss as large as
 the first-order gain after Adam's first steps). Why not the held-out batch: its two runs do
 not separate reliably at this size. Measured (4 RL steps, lr 3e-4): on 1 CPU device held-out
