@@ -121,16 +121,17 @@ def plot_metrics(workdir: str | epath.PathLike, keys: Sequence[str] = PLOT_KEYS)
   path = workdir / "metrics.jsonl"
   if not path.exists():
     return None
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  # A bare Figure (no pyplot): plotting never switches the process's backend, so a notebook
+  # that called Trainer.run() still shows its own figures inline.
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
   rows = read_metrics(path)
   keys = [k for k in keys if any(isinstance(r.get(k), (int, float)) for r in rows)]
   if not keys:
     return None
   cols = 2
-  fig, axes = plt.subplots((len(keys) + 1) // cols, cols, figsize=(10, 2.4 * ((len(keys) + 1) // cols)),
-                           squeeze=False)
+  nrows = (len(keys) + 1) // cols
+  fig = Figure(figsize=(10, 2.4 * nrows))
+  axes = fig.subplots(nrows, cols, squeeze=False)
   sft_end = max((r["step"] for r in rows if r.get("phase") == "sft"), default=None)
   for ax, k in zip(axes.flat, keys):
     pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
@@ -155,7 +156,6 @@ def plot_metrics(workdir: str | epath.PathLike, keys: Sequence[str] = PLOT_KEYS)
   fig.tight_layout()
   buf = io.BytesIO()
   fig.savefig(buf, dpi=90, format="png")
-  plt.close(fig)
   out = workdir / "metrics.png"
   out.write_bytes(buf.getvalue())
   return str(out)
