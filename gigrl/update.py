@@ -70,9 +70,10 @@ def make_optimizer(learning_rate: float | optax.Schedule, *, weight_decay: float
   """AdamW with global-norm clipping and a learning-rate schedule (optax), skipping
   non-finite updates.
 
-  ``learning_rate`` is a float (constant) or an optax schedule (:func:`lr_schedule`). ``optax.apply_if_finite`` drops an update whose gradients hold a NaN
-  or Inf (params and the inner optimizer state stay as they were, so the schedule does not
-  advance either) and counts it in the state (:func:`nonfinite_counts`). After
+  ``learning_rate`` is a float (constant) or an optax schedule (:func:`lr_schedule`).
+  ``optax.apply_if_finite`` drops an update whose gradients hold a NaN or Inf (params and the
+  inner optimizer state stay as they were, so the schedule does not advance either) and
+  counts it in the state (``notfinite_count``, ``total_notfinite``). After
   ``max_consecutive_nonfinite`` skips in a row it would apply the next one anyway; the
   trainer stops the run before that (docs/architecture.md).
   """
@@ -108,11 +109,6 @@ def optimizer_from_config(cfg_train: Any, phase: str, *,
   return make_optimizer(lr, weight_decay=float(t.weight_decay),
                         b1=float(t.b1), b2=float(t.b2), grad_clip=float(t.grad_clip),
                         max_consecutive_nonfinite=int(t.max_consecutive_nonfinite))
-
-
-def nonfinite_counts(opt_state) -> tuple[jax.Array, jax.Array]:
-  """(consecutive, total) skipped non-finite updates of a :func:`make_optimizer` state."""
-  return opt_state.notfinite_count, opt_state.total_notfinite
 
 
 def _shifted(tokens: jax.Array, loss_mask: jax.Array):

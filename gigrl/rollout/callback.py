@@ -197,10 +197,6 @@ class CallbackEngine:
     return self._programs[key_impl]
 
   @property
-  def num_shards(self) -> int:
-    return int(self.mesh.devices.size)
-
-  @property
   def num_local_shards(self) -> int:
     """Devices of the mesh on this process."""
     me = jax.process_index()
