@@ -164,14 +164,23 @@ class Policy:
             f"{dict(self.mesh.shape)}, {self.train_preset} for training")
 
 
-def build_policy(cfg: ml_collections.ConfigDict, vocab_size: int) -> Policy:
-  """Builds (or loads from ``model.hf_path``) the policy straight onto the training mesh."""
+def build_policy(cfg: ml_collections.ConfigDict, vocab_size: int, tokenizer: Any = None
+                 ) -> Policy:
+  """Builds (or loads from ``model.hf_path``) the policy straight onto the training mesh.
+
+  Raises:
+    ConfigError: with ``model.hf_path``, a ``tokenizer`` (when given) that is not the
+      checkpoint's own (``models.check_tokenizer``, naming ``data.tokenizer``).
+  """
   m = cfg.model
   model_cfg = models.model_config_from(m, vocab_size)
   mesh = sharding_lib.mesh_from_config(m)
   if m.hf_path:   # each tensor goes straight to its shard (no full host copy)
-    model, model_cfg = models.from_hf(m.hf_path, dtype=m.dtype, param_dtype=m.param_dtype,
-                                      mesh=mesh, preset=m.train_sharding, remat=m.remat)
+    if tokenizer is not None:
+      models.check_tokenizer(m.hf_path, tokenizer)
+    # model_cfg already holds config.json with every `model.*` override applied.
+    model, model_cfg = models.from_hf(m.hf_path, mesh=mesh, preset=m.train_sharding,
+                                      config=model_cfg)
   else:
     model = models.Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed))
   graphdef, params = nnx.split(model)

@@ -123,7 +123,7 @@ class Trainer:
     self.data = build.load_data(cfg, self.workdir)
     _log(f"data: {len(self.data.train)} train / {len(self.data.eval)} eval questions")
     self.tokenizer = self.data.tokenizer
-    self.policy = build.build_policy(cfg, self.tokenizer.vocab_size)
+    self.policy = build.build_policy(cfg, self.tokenizer.vocab_size, self.tokenizer)
     build.check_rows_fit_mesh(cfg, self.policy.mesh)
     _log(f"model: {self.policy.describe()}")
     self.steps = build.build_steps(cfg, self.policy)
