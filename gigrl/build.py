@@ -98,6 +98,9 @@ def load_data(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike) -> 
                       "rollout.max_prompt_tokens and "
                       "data.max_train_questions)")
   held_out = tfds_qa.read_split(builder, "eval")
+  if not d.questions_file:   # the held-out rows of the trained sets, plus the eval-only sets
+    keep = set(sources) | set(qa.EVAL_ONLY_SOURCES)
+    held_out = [q for q in held_out if q.data_source in keep]
   held_out.sort(key=lambda q: (q.data_source, q.id))
   held_out = drop_overlong_prompts(held_out, tokenizer, limit, "held-out")
   check_no_leak(train, held_out, field, d.questions_file or d.train_sources)
