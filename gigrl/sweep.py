@@ -222,10 +222,10 @@ def markdown(summary: dict[str, Any], threshold: float, n_seeds: int) -> str:
 def plot(summary: dict[str, Any], path: str) -> str | None:
   """Mean eval EM vs RL step per setting with its 95% band (seeds' curves on their common
   eval steps)."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, ax = plt.subplots(figsize=(7, 4))
+  # A bare Figure (no pyplot): never switches the caller's matplotlib backend.
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  fig = Figure(figsize=(7, 4))
+  ax = fig.subplots()
   drawn = False
   for name, s in summary.items():
     curves = [dict(r["curve"]) for r in s["runs"].values() if r["curve"]]
@@ -240,7 +240,6 @@ def plot(summary: dict[str, Any], path: str) -> str | None:
                     color=line.get_color(), alpha=0.2, lw=0)
     drawn = True
   if not drawn:
-    plt.close(fig)
     return None
   ax.set_xlabel("RL step")
   ax.set_ylabel("held-out EM (greedy)")
@@ -249,7 +248,6 @@ def plot(summary: dict[str, Any], path: str) -> str | None:
   ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
-  plt.close(fig)
   return path
 
 
