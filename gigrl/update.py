@@ -230,6 +230,27 @@ def rl_loss_fn(graphdef, *, max_tokens: int, chunk_size: int,
   return fn
 
 
+def _apply_grads(tx: optax.GradientTransformation, params, opt_state, grads, metrics):
+  """One optimizer update; adds ``grad_norm`` and the non-finite skip counters to ``metrics``."""
+  updates, opt_state = tx.update(grads, opt_state, params)
+  params = optax.apply_updates(params, updates)
+  metrics = dict(metrics, grad_norm=optax.global_norm(grads))
+  if isinstance(opt_state, optax.ApplyIfFiniteState):
+    metrics["nonfinite_consecutive"] = opt_state.notfinite_count
+    metrics["nonfinite_updates"] = opt_state.total_notfinite
+  return params, opt_state, metrics
+
+
+def _jit_donating(step, in_shardings, out_shardings):
+  """``jax.jit(step)`` donating params and optimizer state, with the shardings when given."""
+  kw = {}
+  if in_shardings is not None:
+    kw["in_shardings"] = in_shardings
+  if out_shardings is not None:
+    kw["out_shardings"] = out_shardings
+  return jax.jit(step, donate_argnums=(0, 1), **kw)
+
+
 def make_step(loss_fn, tx: optax.GradientTransformation, *, in_shardings=None,
               out_shardings=None):
   """Jitted ``step(params, opt_state, *batch) -> (params, opt_state, metrics)``.
@@ -243,20 +264,9 @@ def make_step(loss_fn, tx: optax.GradientTransformation, *, in_shardings=None,
   """
   def step(params, opt_state, *batch):
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, *batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    metrics = dict(metrics, grad_norm=optax.global_norm(grads))
-    if isinstance(opt_state, optax.ApplyIfFiniteState):
-      metrics["nonfinite_consecutive"] = opt_state.notfinite_count
-      metrics["nonfinite_updates"] = opt_state.total_notfinite
-    return params, opt_state, metrics
+    return _apply_grads(tx, params, opt_state, grads, metrics)
 
-  kw = {}
-  if in_shardings is not None:
-    kw["in_shardings"] = in_shardings
-  if out_shardings is not None:
-    kw["out_shardings"] = out_shardings
-  return jax.jit(step, donate_argnums=(0, 1), **kw)
+  return _jit_donating(step, in_shardings, out_shardings)
 
 
 # ------------------------------------------------------------------- PPO mini-batches
@@ -322,20 +332,9 @@ def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: 
       (grads, metrics), _ = body(zeros, tuple(x[0] for x in xs))
     else:
       (grads, metrics), _ = jax.lax.scan(body, zeros, xs)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    metrics = dict(metrics, grad_norm=optax.global_norm(grads))
-    if isinstance(opt_state, optax.ApplyIfFiniteState):
-      metrics["nonfinite_consecutive"] = opt_state.notfinite_count
-      metrics["nonfinite_updates"] = opt_state.total_notfinite
-    return params, opt_state, metrics
+    return _apply_grads(tx, params, opt_state, grads, metrics)
 
-  kw = {}
-  if in_shardings is not None:
-    kw["in_shardings"] = in_shardings
-  if out_shardings is not None:
-    kw["out_shardings"] = out_shardings
-  return jax.jit(step, donate_argnums=(0, 1), **kw)
+  return _jit_donating(step, in_shardings, out_shardings)
 
 
 def minibatch_order(num_rows: int, mini_batch_rows: int, epochs: int, *, seed: int,
