@@ -6,7 +6,6 @@ row layout) and against a plain per-row re-derivation of verl-agent's
 """
 from __future__ import annotations
 
-import difflib
 import json
 import uuid
 from collections import defaultdict
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 
 from gigrl.advantages import verl
+from test_anchors import plain_clusters  # the plain greedy difflib reference
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 RTOL, ATOL = 1e-5, 1e-6
@@ -91,19 +91,7 @@ def test_golden(path, returns_from, shuffle):
 
 
 # ---------------------------------------------- plain verl-agent semantics
-def plain_clusters(rows, threshold):
-  reps, out = [], []
-  for row in rows:
-    for cid, rep in enumerate(reps):
-      if difflib.SequenceMatcher(None, row, rep).ratio() >= threshold:
-        out.append(cid)
-        break
-    else:
-      reps.append(row)
-      out.append(len(reps) - 1)
-  return out
-
-
+# plain_clusters: the greedy difflib scan, shared with tests/test_anchors.py
 def norm(x, remove_std, eps, singleton_raw):
   """verl-agent: a lone row keeps its raw score (episode) or gets 0 (step)."""
   x = np.asarray(x, np.float64)
