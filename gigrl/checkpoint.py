@@ -52,8 +52,12 @@ class StateMismatchError(config_utils.ConfigError):
 
 def checkpoint_dir(workdir: str | epath.PathLike) -> epath.Path:
   """``<workdir>/checkpoints`` as an ``etils.epath`` path: a ``gs://bucket/run`` workdir stays
-  ``gs://bucket/run/checkpoints`` (no ``os.path`` call ever makes it local)."""
-  return epath.Path(workdir) / "checkpoints"
+  ``gs://bucket/run/checkpoints`` (no ``os.path`` call ever makes it local); a relative local
+  workdir is made absolute (orbax refuses relative checkpoint paths)."""
+  path = epath.Path(workdir)
+  if "://" not in str(workdir):
+    path = path.resolve()
+  return path / "checkpoints"
 
 
 class Checkpointer:

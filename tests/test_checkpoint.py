@@ -131,3 +131,10 @@ def test_gs_workdir_stays_remote(monkeypatch):
   assert str(ck.directory) == "gs://bucket/run/checkpoints"
   out = metrics_lib.RunOutputs(workdir, enabled=False)   # process > 0: touches nothing
   assert str(out.metrics_path) == "gs://bucket/run/metrics.jsonl"
+
+
+def test_relative_local_workdir_becomes_absolute(tmp_path, monkeypatch):
+  """`gigrl-train --workdir runs/x` (the README's command): orbax refuses relative paths."""
+  monkeypatch.chdir(tmp_path)
+  d = ckpt_lib.checkpoint_dir("runs/x")
+  assert d.is_absolute() and str(d) == str(tmp_path / "runs" / "x" / "checkpoints")
