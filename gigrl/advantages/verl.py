@@ -197,11 +197,13 @@ def row_layout(index: Any, traj_index: Any | None = None) -> RowLayout:
 
 
 def _to_grid(layout: RowLayout, values: np.ndarray, fill=0) -> np.ndarray:
+  """[..., N] row values -> [..., P, G, T] (``fill`` where no row is)."""
+  lead = values.shape[:-1]
   if layout.dense:
-    return values.reshape(layout.shape)
-  grid = np.full(int(np.prod(layout.shape)), fill, values.dtype)
-  grid[layout.flat] = values
-  return grid.reshape(layout.shape)
+    return values.reshape(lead + layout.shape)
+  grid = np.full(lead + (int(np.prod(layout.shape)),), fill, values.dtype)
+  grid[..., layout.flat] = values
+  return grid.reshape(lead + layout.shape)
 
 
 def _from_grid(layout: RowLayout, grid: np.ndarray) -> np.ndarray:
@@ -210,20 +212,21 @@ def _from_grid(layout: RowLayout, grid: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------ anchors
-def _last_rows(anchor_obs: Any) -> np.ndarray:
-  """int64[N]: the last row with an equal observation (verl-agent keys).
+def _first_rows(anchor_obs: Any) -> np.ndarray:
+  """int64[N]: the first row with an equal observation (verl-agent keys).
 
-  ``dict(zip(keys, range(n)))`` runs in C and keeps each key's last row; the
-  second lookup pass reuses the strings' cached hashes.
+  One hashing pass in C: ``dict.setdefault(key, row)`` returns the row that
+  first inserted the key (two passes, a dict build then lookups, cost ~40%
+  more on fresh strings, whose hashes are not cached yet).
   """
   keys = anchor_obs.tolist() if isinstance(anchor_obs, np.ndarray) else list(
       anchor_obs)
+  n = len(keys)
   try:
-    last = dict(zip(keys, range(len(keys))))
+    return np.fromiter(map({}.setdefault, keys, range(n)), np.int64, n)
   except TypeError:                # arrays / lists: verl-agent to_hashable
     keys = [anchors_lib.to_hashable(k) for k in keys]
-    last = dict(zip(keys, range(len(keys))))
-  return np.fromiter(map(last.__getitem__, keys), np.int64, len(keys))
+    return np.fromiter(map({}.setdefault, keys, range(n)), np.int64, n)
 
 
 def _int_ids(anchor_obs: Any) -> np.ndarray | None:
@@ -279,11 +282,11 @@ def step_group_ids(anchor_obs: Any, layout: RowLayout, *,
     return ids
   arr = _int_ids(anchor_obs)
   # A row's id is the in-prompt position of a representative row with the
-  # same observation in the same prompt: its last row overall, unless that
+  # same observation in the same prompt: its first row overall, unless that
   # lies in another prompt (an observation recurring across prompts); only
   # those rows are then sorted, to their prompt's first row.
   if arr is None:
-    rep = _last_rows(anchor_obs)
+    rep = _first_rows(anchor_obs)
   else:
     uniq, codes = np.unique(arr, return_inverse=True)
     codes = codes.reshape(-1)
@@ -300,12 +303,14 @@ def step_group_ids(anchor_obs: Any, layout: RowLayout, *,
 # ------------------------------------------------------------ kernel
 @functools.partial(jax.jit, static_argnames=("eps", "omega", "norm",
                                              "gamma"))
-def _grid_kernel(scores, step_values, valid, ids, penalty, *, eps, omega,
-                 norm, gamma):
+def _grid_kernel(values, valid, ids, penalty, *, eps, omega, norm, gamma):
   """f32[3, P, G, T]: joint, episode and step advantages (see gigpo.py).
 
-  ``valid`` None = every grid cell is a row.
+  ``values`` f32[2, P, G, T] stacks the episode scores and the step values
+  (one transfer instead of two); ``valid`` None = every grid cell is a row;
+  ``penalty`` None unless ``gamma`` is set.
   """
+  scores, step_values = values[0], values[1]
   if valid is None:
     valid = jnp.ones(scores.shape, bool)
   returns = step_values
@@ -399,25 +404,28 @@ def gigpo_row_advantages(token_level_rewards: Any, step_rewards: Any,
   else:
     layout = row_layout(index)
     values = _numpy(step_rewards, np.float32).reshape(-1)
-    penalty = np.zeros(1, np.float32)
+    penalty = None
     gamma = None
   if len(values) != n:
     raise ValueError(f"step rewards have {len(values)} rows, expected {n}")
-  scores = np.einsum("ij->i", tlr.astype(np.float32, copy=False))
   ids = step_group_ids(anchor_obs, layout,
                        enable_similarity=enable_similarity,
                        similarity_thresh=similarity_thresh)
+  scores = np.einsum("ij->i", tlr.astype(np.float32, copy=False))
   valid = None if layout.dense else _to_grid(layout, np.ones(n, bool),
                                              fill=False)
   grid = lambda x: _to_grid(layout, x)
   out = np.asarray(_grid_kernel(
-      grid(scores), grid(values), valid, grid(ids),
-      grid(penalty) if gamma is not None else np.float32(0),
+      grid(np.stack([scores, values])), valid,
+      grid(ids), grid(penalty) if gamma is not None else None,
       eps=float(epsilon), omega=float(step_advantage_w),
       norm=mode == "mean_std_norm",
       gamma=None if gamma is None else float(gamma)))
   row, a_e, a_s = (_from_grid(layout, x) for x in out)
-  tokens = np.multiply(row[:, None], mask, dtype=np.float32)
+  if mask.dtype == np.float32:   # einsum's loop: ~25% faster, same products
+    tokens = np.einsum("ij,i->ij", mask, row)
+  else:
+    tokens = np.multiply(row[:, None], mask, dtype=np.float32)
   if hasattr(token_level_rewards, "detach"):
     import torch                                  # pylint: disable=g-import-not-at-top
     tokens = torch.from_numpy(tokens).to(token_level_rewards.device)
