@@ -1,11 +1,28 @@
-"""pytest setup: 8 simulated CPU devices for the sharding tests.
+"""pytest setup: 8 simulated CPU devices for the sharding tests, and one JAX compilation cache.
 
 XLA reads the flag once, when the backend starts, so it is set here before any
 test module imports jax.
+
+The persistent compilation cache (a fresh directory per session, removed at exit; set
+``JAX_COMPILATION_CACHE_DIR`` to keep one across sessions) is inherited by the subprocesses
+that the end-to-end tests start: every ``gigrl-train`` run of the tiny config compiles the
+same programs, and all runs after the first load them instead (a tiny smoke run: ~29 s of CPU
+cold, ~11 s warm). A cached executable is the one XLA compiled, so results are unchanged;
+programs with host callbacks are never cached (jax skips them).
 """
+import atexit
 import os
+import shutil
+import tempfile
 
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _cache_dir = tempfile.mkdtemp(prefix="gigrl-test-jax-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+  atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
