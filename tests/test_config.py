@@ -70,6 +70,7 @@ def test_smoke_config_is_valid():
   config_lib.validate(smoke.get_config())
 
 
+@pytest.mark.slow
 def test_cli_rejects_bad_value_with_exit_2(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "gigrl.train", "--config", os.path.join(ROOT, "configs/smoke.py"),
@@ -79,6 +80,7 @@ def test_cli_rejects_bad_value_with_exit_2(tmp_path):
   assert "advantage.outcome" in proc.stderr and "'ppo'" in proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_rejects_unknown_field(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "gigrl.train", "--config", os.path.join(ROOT, "configs/smoke.py"),

@@ -1,7 +1,8 @@
 """Errors as a new user meets them: one line naming the field, file or row, exit status 2.
 
 The command-line cases run ``gigrl-train`` in subprocesses, all started at once by one fixture
-(each stops at start-up, before any model is built). The rest call the checks in-process.
+(each stops at start-up, before any model is built); two of them (a flag error and a config
+check) are in the quick set, the rest are ``slow``. The rest call the checks in-process.
 """
 import os
 import re
@@ -59,14 +60,18 @@ def _cli_cases(tmp):
 
 
 @pytest.fixture(scope="module")
-def cli_results(tmp_path_factory):
+def cli_results(request, tmp_path_factory):
+  """Starts the selected cases' processes at once (those of the tests this session runs)."""
+  wanted = {item.callspec.params["name"] for item in request.session.items
+            if getattr(item, "originalname", "") == "test_cli_error_is_one_line_with_exit_2"}
   tmp = tmp_path_factory.mktemp("cli")
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  cases = _cli_cases(tmp)
+  assert set(cases) == set(CLI_CASES)
   procs = {name: (subprocess.Popen([sys.executable, "-m", "gigrl.train", *argv], cwd=tmp,
                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    text=True), pattern)
-           for name, (argv, pattern) in _cli_cases(tmp).items()}
-  assert set(procs) == set(CLI_CASES)
+           for name, (argv, pattern) in cases.items() if name in wanted}
   out = {}
   for name, (p, pattern) in procs.items():
     stdout, stderr = p.communicate(timeout=300)
@@ -77,9 +82,11 @@ def cli_results(tmp_path_factory):
 CLI_CASES = ("unknown_field", "unknown_section", "missing_config", "config_raises", "bad_value",
              "no_workdir", "workdir_unwritable", "questions_empty", "unknown_source",
              "hf_path_missing", "server_down")
+QUICK_CLI_CASES = ("unknown_field", "questions_empty")
 
 
-@pytest.mark.parametrize("name", CLI_CASES)
+@pytest.mark.parametrize("name", [
+    n if n in QUICK_CLI_CASES else pytest.param(n, marks=pytest.mark.slow) for n in CLI_CASES])
 def test_cli_error_is_one_line_with_exit_2(cli_results, name):
   rc, stdout, stderr, pattern = cli_results[name]
   lines = [l for l in stderr.splitlines() if l.strip()]
@@ -90,6 +97,13 @@ def test_cli_error_is_one_line_with_exit_2(cli_results, name):
   assert re.search(pattern, lines[-1]), lines[-1]
 
 
+def test_usage_lists_the_flags():
+  text = train.usage()           # what --help prints
+  for flag in ("--config:", "--workdir:", "--config.<section>.<field>=value", "advantage"):
+    assert flag in text
+
+
+@pytest.mark.slow
 def test_help_lists_the_flags():
   p = subprocess.run([sys.executable, "-m", "gigrl.train", "--help"], capture_output=True,
                      text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})

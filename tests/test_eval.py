@@ -243,9 +243,8 @@ def test_markdown_table_per_dataset():
   assert lines[4].startswith("| average |  | 0.667 |")
 
 
-@pytest.mark.parametrize("case", ["no_checkpoint", "unknown_dataset", "malformed_file",
-                                  "missing_hf", "bad_k"])
-def test_gigrl_eval_bad_input_exits_2(tmp_path, case):
+def _bad_input(tmp_path, case):
+  """(argv, text the one error line must contain) of a bad gigrl-eval command line."""
   bad = tmp_path / "bad.jsonl"
   bad.write_text(json.dumps({"question": "q", "golden_answers": ["a"]}) + "\n{not json\n")
   (tmp_path / "run").mkdir()
@@ -261,9 +260,31 @@ def test_gigrl_eval_bad_input_exits_2(tmp_path, case):
       "bad_k": (["--workdir", str(tmp_path / "run"), "--datasets", "bamboogle", "--k", "4"],
                 "--k 4"),
   }[case]
+  return args, want
+
+
+@pytest.mark.parametrize("case", ["no_checkpoint", "unknown_dataset", "malformed_file",
+                                  "missing_hf", "bad_k"])
+def test_gigrl_eval_bad_input_exits_2(tmp_path, case, monkeypatch, capsys):
+  """In-process: ``main`` exits 2 with one ``gigrl-eval: error:`` line (the console script's
+  wiring is checked by the subprocess test below)."""
+  from gigrl import eval_cli  # pylint: disable=g-import-not-at-top
+  args, want = _bad_input(tmp_path, case)
+  monkeypatch.setattr(sys, "argv", ["gigrl-eval"])
+  with pytest.raises(SystemExit) as e:
+    eval_cli.main(args)
+  err = capsys.readouterr().err.strip().splitlines()
+  assert e.value.code == 2, err[-3:]
+  assert err[-1].startswith("gigrl-eval: error: ") and want in err[-1], err[-3:]
+  if case == "unknown_dataset":
+    assert "nq_open" in err[-1]
+
+
+@pytest.mark.slow
+def test_gigrl_eval_bad_input_exits_2_as_a_subprocess(tmp_path):
+  args, want = _bad_input(tmp_path, "unknown_dataset")
   proc = _eval_cli(*args)
   assert proc.returncode == 2, proc.stderr[-2000:]
   err = proc.stderr.strip().splitlines()
   assert err[-1].startswith("gigrl-eval: error: ") and want in err[-1], err[-3:]
-  if case == "unknown_dataset":
-    assert "nq_open" in err[-1]
+  assert "Traceback" not in proc.stderr and "nq_open" in err[-1]

@@ -26,6 +26,7 @@ def test_notebooks_found():
           "countries_agent.ipynb"} <= set(NOTEBOOKS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs(name, workdir, monkeypatch):
   monkeypatch.setenv("GIGRL_NOTEBOOK_CI", "1")

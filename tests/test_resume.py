@@ -4,6 +4,7 @@ Every check compares `metrics.jsonl` of the interrupted-and-resumed run with an 
 run of the same command: all metrics must be equal bitwise, except wall-clock timings
 (`*_s`, `*tokens_per_s`), which differ between any two runs.
 `GIGRL_RESUME_REPEATS=10 pytest tests/test_resume.py -k kill` repeats the kill test.
+The corrupt / partial / changed-config cases start from copies of one short run (``prefix``).
 """
 import json
 import os
@@ -29,6 +30,8 @@ ARGS = ["--config.train.sft_steps=3", "--config.train.num_steps=4",
         "--config.data.pool.rule=grpo"]
 TIMING = ("_s", "tokens_per_s")
 REPEATS = int(os.environ.get("GIGRL_RESUME_REPEATS", "1"))
+
+pytestmark = pytest.mark.slow     # subprocess runs of gigrl-train
 
 
 def _cmd(workdir, *extra):
@@ -71,6 +74,22 @@ def reference(tmp_path_factory):
   rows = _metrics(workdir)
   assert [r["step"] for r in rows] == list(range(1, 8))
   return rows
+
+
+@pytest.fixture(scope="module")
+def prefix(tmp_path_factory):
+  """A run stopped at step 4 (3 SFT + 1 RL steps; checkpoints 2 and 4), once: copied by each
+  test that needs it."""
+  workdir = tmp_path_factory.mktemp("prefix") / "run"
+  _run(workdir, "--config.train.num_steps=1")
+  assert _lines(workdir) == 4
+  return workdir
+
+
+def _copy(prefix, tmp_path):
+  workdir = tmp_path / "run"
+  shutil.copytree(prefix, workdir)
+  return workdir
 
 
 def _start(workdir):
@@ -126,25 +145,23 @@ def test_sigterm_and_ctrl_c_checkpoint_and_exit_cleanly(tmp_path, reference, sig
   assert _metrics(workdir) == reference
 
 
-def test_corrupt_latest_checkpoint_falls_back(tmp_path, reference):
-  workdir = tmp_path / "run"
-  _run(workdir, "--config.train.num_steps=2")             # stops at step 5; keeps 4 and 5
+def test_corrupt_latest_checkpoint_falls_back(tmp_path, reference, prefix):
+  workdir = _copy(prefix, tmp_path)                        # stopped at step 4; keeps 2 and 4
   steps = sorted(int(p) for p in os.listdir(workdir / "checkpoints") if p.isdigit())
-  assert steps == [4, 5]
-  state = workdir / "checkpoints" / "5" / "state"
+  assert steps == [2, 4]
+  state = workdir / "checkpoints" / "4" / "state"
   for root, _, files in os.walk(state):
     for f in files:
       with open(os.path.join(root, f), "wb") as fh:
         fh.write(b"garbage")
   out = _run(workdir)
-  assert "checkpoint 5 is corrupt or partial" in out
-  assert "resumed from checkpoint step 4" in out
+  assert "checkpoint 4 is corrupt or partial" in out
+  assert "resumed from checkpoint step 2" in out
   assert _metrics(workdir) == reference
 
 
-def test_partial_checkpoint_dir_is_ignored(tmp_path, reference):
-  workdir = tmp_path / "run"
-  _run(workdir, "--config.train.num_steps=1")             # steps 1..4, checkpoints 2, 4
+def test_partial_checkpoint_dir_is_ignored(tmp_path, reference, prefix):
+  workdir = _copy(prefix, tmp_path)                        # steps 1..4, checkpoints 2, 4
   tmp = workdir / "checkpoints" / "6.orbax-checkpoint-tmp-123"
   shutil.copytree(workdir / "checkpoints" / "4", tmp)     # a write that never finished
   out = _run(workdir)
@@ -153,9 +170,8 @@ def test_partial_checkpoint_dir_is_ignored(tmp_path, reference):
   assert _metrics(workdir) == reference
 
 
-def test_structure_change_is_refused_and_loses_nothing(tmp_path, reference):
-  workdir = tmp_path / "run"
-  _run(workdir, "--config.train.num_steps=1")             # steps 1..4, checkpoints 2, 4
+def test_structure_change_is_refused_and_loses_nothing(tmp_path, reference, prefix):
+  workdir = _copy(prefix, tmp_path)                        # steps 1..4, checkpoints 2, 4
   before = (workdir / "metrics.jsonl").read_text()
   proc = _run(workdir, "--config.advantage.hadw.window=12", ok=False)
   assert proc.returncode != 0

@@ -16,6 +16,8 @@ TINY = ["--config.train.sft_steps=2", "--config.train.num_steps=2",
         "--config.train.sft_batch_size=4", "--config.train.sample_every=1",
         "--config.train.eval_questions=2", "--config.checkpoint.every_steps=2"]
 
+pytestmark = pytest.mark.slow     # subprocess runs of gigrl-train
+
 
 def _train(workdir, *extra):
   env = dict(os.environ)
