@@ -74,6 +74,9 @@ def train_config() -> ml_collections.ConfigDict:
   c.sft_batch_size = 16
   c.sft_questions = 0          # 0 = all training questions
   c.sft_only_answer_in_obs = False
+  c.copy_steps = 0             # first SFT steps on synthetic copying sequences (data/copy_task)
+  c.copy_width = 48            # tokens per copying sequence
+  c.copy_batch_size = 64       # copying sequences per step
   c.sample_every = 5           # write readable trajectories every N RL steps
   c.eval_every = 0             # 0 = no periodic eval
   c.eval_questions = 32
@@ -184,6 +187,9 @@ def _validate_train(cfg):
   check_range(cfg, "train.sft_steps", 0, integer=True)
   check_range(cfg, "train.sft_batch_size", 1, integer=True)
   check_range(cfg, "train.sft_questions", 0, integer=True)
+  check_range(cfg, "train.copy_steps", 0, integer=True, hi=int(cfg.train.sft_steps))
+  check_range(cfg, "train.copy_width", 40, integer=True)
+  check_range(cfg, "train.copy_batch_size", 1, integer=True)
   check_range(cfg, "train.eval_questions", 0, integer=True)
   check_range(cfg, "train.sample_every", 1, integer=True)
   check_range(cfg, "train.eval_every", 0, integer=True)

@@ -36,6 +36,7 @@ from gigrl import rl_batch
 from gigrl import search as search_lib
 from gigrl import train_state as state_lib
 from gigrl import update as update_lib
+from gigrl.data import copy_task
 from gigrl.data import pool as pool_lib
 from gigrl.data import qa as qa_lib
 from gigrl.rollout import demos as demos_lib
@@ -279,10 +280,19 @@ class Trainer:
     return traj_lib.collate(builders, self.settings.seq_len, self.tokenizer.pad_id)
 
   def _sft_step(self, step: int, demos: traj_lib.TrajectoryBatch) -> dict[str, Any]:
-    idx = rl_batch.sft_indices(demos.tokens.shape[0], self.cfg.train.sft_batch_size,
-                               self.cfg.seed, step)
-    width = rl_batch.bucket(int(demos.lengths[idx].max()), self.settings.seq_len)
-    tokens, mask = self._put(demos.tokens[idx, :width]), self._put(demos.loss_mask[idx, :width])
+    t = self.cfg.train
+    if step <= t.copy_steps:                  # synthetic copying sequences (data/copy_task)
+      if not hasattr(self, "_copy_ids"):
+        self._copy_ids = copy_task.ordinary_ids(self.tokenizer)
+      tok, msk = copy_task.copy_batch(self._copy_ids, t.copy_batch_size, t.copy_width,
+                                      self.cfg.seed, step)
+      lengths = (tok > 0).sum(axis=1)
+    else:
+      idx = rl_batch.sft_indices(demos.tokens.shape[0], t.sft_batch_size, self.cfg.seed, step)
+      width = rl_batch.bucket(int(demos.lengths[idx].max()), self.settings.seq_len)
+      tok, msk = demos.tokens[idx, :width], demos.loss_mask[idx, :width]
+      lengths = demos.lengths[idx]
+    tokens, mask = self._put(tok), self._put(msk)
     t0 = time.perf_counter()
     params, opt_state, m = self.steps.sft_step(self.state.params, self.state.opt_state,
                                                tokens, mask)
@@ -292,7 +302,7 @@ class Trainer:
     # The RL-only fields are null on SFT steps, so every line has the same keys.
     return {"step": step, "phase": "sft", "reward_mean": None, "em": None,
             "search_calls_mean": None, "zero_variance_frac": None, "kl": 0.0,
-            "train/tokens_per_s": float(demos.lengths[idx].sum()) / dt,
+            "train/tokens_per_s": float(lengths.sum()) / dt,
             "rollout/tokens_per_s": None, "step_time_s": dt, **m}
 
   # ------------------------------------------------------------------ RL
