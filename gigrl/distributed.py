@@ -12,7 +12,8 @@ Start-up (:func:`initialize`, called by ``gigrl-train`` before anything touches 
 Collectives (each is a no-op on one process, and every process must call it, in the same order):
 :func:`barrier`, :func:`any_process` (the preemption agreement), :func:`gather_rows`,
 :func:`gather_objects`, :func:`gather_batch` (a process's rollout rows -> the global rollout
-batch on every host), :func:`reduce_metrics`.
+batch on every host), :func:`gather_owned` (each item from the process that owns it),
+:func:`reduce_metrics`.
 """
 from __future__ import annotations
 
@@ -146,16 +147,39 @@ def gather_objects(items: Sequence[Any]) -> list[Any]:
   return out
 
 
-def gather_batch(batch: Any) -> Any:
+def gather_batch(batch: Any, skip: Sequence[str] = ()) -> Any:
   """A dataclass of per-row fields (e.g. ``TrajectoryBatch``: numpy arrays and per-row lists)
-  with every process's rows, in process order: the global batch, the same on every host."""
+  with every process's rows, in process order: the global batch, the same on every host.
+
+  Fields named in ``skip`` are not exchanged and come back as None (a trainer that reads them
+  on each host's own rows only, e.g. the strings, leaves them out)."""
   if jax.process_count() == 1:
     return batch
   fields = {}
   for f in dataclasses.fields(batch):
     v = getattr(batch, f.name)
-    fields[f.name] = gather_rows(v) if isinstance(v, np.ndarray) else gather_objects(v)
+    if f.name in skip:
+      fields[f.name] = None
+    else:
+      fields[f.name] = gather_rows(v) if isinstance(v, np.ndarray) else gather_objects(v)
   return dataclasses.replace(batch, **fields)
+
+
+def gather_owned(x: np.ndarray, owner: np.ndarray) -> np.ndarray:
+  """Item ``k`` of ``x`` from process ``owner[k]``: each process fills in the items it owns
+  (e.g. the anchor ids of the groups whose rows it holds), every process gets them all.
+
+  Args:
+    x: [K, ...] this process's values (only the items it owns are read).
+    owner: int[K] owning process of each item (the same on every process).
+  Returns:
+    [K, ...] like ``x``; ``x`` itself on one process.
+  """
+  x = np.asarray(x)
+  if jax.process_count() == 1:
+    return x
+  every = gather_rows(x[None])                                   # [processes, K, ...]
+  return every[np.asarray(owner), np.arange(x.shape[0])]
 
 
 def reduce_metrics(metrics: Mapping[str, float], *, maximum: Sequence[str] = ()

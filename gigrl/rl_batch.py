@@ -11,12 +11,22 @@ cases (tests/test_rl_batch.py). One RL step uses them in this order:
 
 C = candidate groups rolled out (k·P with query recycling), P = trained groups
 (``data.prompts_per_step``), G = rollouts per group, T = max steps (``rollout.max_turns + 1``),
-S = tokens per row. Rollout row ``c * G + j`` is rollout j of candidate c. The functions take the
-rows this process holds, so a multi-host trainer can call them on its own share.
+S = tokens per row. Rollout row ``c * G + j`` is rollout j of candidate c.
+
+Multi-host, each host reads the strings of its own rows only (whole groups) and the hosts
+exchange compact numeric arrays:
+
+  local = row_arrays(local_batch, golden, G, T, first_row=f)     RowArrays of the host's rows
+  (all-gather of the RowArrays fields: the global RowArrays; rewards = ra.rewards[:C·G])
+  ids = group_anchor_ids(local_batch, rows, T, .., first_row=f)  i32[P, G, T], -1 off-host
+  (all-gather, each trained group from the host that holds it: the global ids)
+  inputs = advantage_inputs(batch, rewards, rows, valid, T, .., row_arrays=ra, anchor_ids=ids)
+
+On one host ``first_row = 0`` and the local batch is the whole batch: the same arrays.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -42,6 +52,99 @@ def rollout_rewards(batch: traj_lib.TrajectoryBatch, golden_answers: Sequence[Se
   c, g = len(golden_answers), group_size
   return np.array([reward_lib.em_reward(batch.generated_text[r], golden_answers[r // g])
                    for r in range(c * g)], np.float32).reshape(c, g)
+
+
+class RowArrays(NamedTuple):
+  """Compact per-rollout-row arrays of the RL step, computed from the rows' strings by the host
+  that holds the rows (:func:`row_arrays`), then all-gathered (R rows).
+
+  Attributes:
+    rewards: f32[R] exact-match reward of the row (0 on filler rows beyond the candidates).
+    answered: bool[R] the row's last turn has an ``<answer>`` (``rollout_metrics``).
+    final_search: bool[R] the row has ``max_turns + 1`` turns and the last is a ``<search>``
+      (:func:`stratum_keys` with ``count_final_search``).
+    action_valid: bool[R, T] whether each turn's action parsed (True beyond the row's turns).
+  """
+  rewards: np.ndarray
+  answered: np.ndarray
+  final_search: np.ndarray
+  action_valid: np.ndarray
+
+
+def row_arrays(batch: traj_lib.TrajectoryBatch, golden_answers: Sequence[Sequence[str]],
+               group_size: int, max_steps: int, *, first_row: int = 0) -> RowArrays:
+  """:class:`RowArrays` of the rows of ``batch`` (global rows ``first_row + i``).
+
+  Args:
+    batch: a host's rollout rows (or the whole batch, ``first_row = 0``).
+    golden_answers: gold answers of every candidate group of the step (global, C groups);
+      rows of groups ``>= C`` (filler) get reward 0.
+    group_size: G.
+    max_steps: T = ``rollout.max_turns + 1``.
+    first_row: global index of the batch's first row.
+  Returns:
+    RowArrays with R = ``len(batch.lengths)`` rows; the same values, row for row, as the
+    functions below read from a global batch.
+  """
+  n, t, g = len(batch.lengths), int(max_steps), int(group_size)
+  rewards = np.zeros(n, np.float32)
+  answered = np.zeros(n, bool)
+  final_search = np.zeros(n, bool)
+  action_valid = np.ones((n, t), bool)
+  for i in range(n):
+    texts = batch.generated_text[i]
+    c = (first_row + i) // g
+    if c < len(golden_answers):
+      rewards[i] = reward_lib.em_reward(texts, golden_answers[c])
+    answered[i] = reward_lib.extract_answer(texts) is not None
+    final_search[i] = len(texts) == t and protocol.parse_action(texts[-1])[0] == "search"
+    av = batch.action_valid[i][:t]
+    action_valid[i, :len(av)] = av
+  return RowArrays(rewards, answered, final_search, action_valid)
+
+
+def group_anchor_ids(batch: traj_lib.TrajectoryBatch, rows: np.ndarray, max_steps: int, *,
+                     anchor_grouping: str, similarity_thresh: float = 0.9,
+                     first_row: int = 0) -> np.ndarray:
+  """Anchor-state ids of the trained groups this host holds.
+
+  Ids are dense per group (:mod:`gigrl.advantages.anchors`), so a group's ids depend on its own
+  rows only: hosts compute their groups' ids independently and an all-gather (each group taken
+  from the host that holds it) gives the one-host array.
+
+  Args:
+    batch: a host's rollout rows, global rows ``[first_row, first_row + len)`` (whole groups),
+      or the whole batch.
+    rows: i32[P, G] global rollout rows of the trained groups (:func:`train_rows`).
+    max_steps: T.
+    anchor_grouping: ``'exact'`` or ``'similarity'``.
+    similarity_thresh: threshold of ``'similarity'`` grouping.
+    first_row: global index of the batch's first row.
+  Returns:
+    i32[P, G, T] ids, -1 on padded steps and on groups held by another host.
+  Raises:
+    ValueError: unknown ``anchor_grouping``; a trained group split between hosts.
+  """
+  p, g = rows.shape
+  t = int(max_steps)
+  out = np.full((p, g, t), anchors_lib.PAD_ID, np.int32)
+  local = np.asarray(rows) - int(first_row)
+  inside = (local >= 0) & (local < len(batch.lengths))
+  if (inside.any(axis=1) != inside.all(axis=1)).any():
+    raise ValueError("a trained group's rows are split between hosts")
+  held = np.flatnonzero(inside[:, 0])
+  if anchor_grouping not in ("exact", "similarity"):
+    raise ValueError(f"anchor_grouping={anchor_grouping!r}; expected 'exact', 'similarity' or "
+                     "None")
+  if not held.size:
+    return out
+  anchors = [[batch.anchors[i][:batch.num_steps[i]] for i in local[k]] for k in held]
+  if anchor_grouping == "similarity":
+    ids = anchors_lib.similarity_anchor_ids(anchors, similarity_thresh)
+  else:
+    ids = anchors_lib.exact_anchor_ids(anchors)
+  out[held, :, :min(ids.shape[2], t)] = ids[:, :, :t]
+  return out
 
 
 def train_rows(candidates: Sequence[int], accepted: Sequence[int], num_prompts: int,
@@ -78,7 +181,8 @@ def train_rows(candidates: Sequence[int], accepted: Sequence[int], num_prompts: 
 
 
 def stratum_keys(batch: traj_lib.TrajectoryBatch, rows: np.ndarray, max_turns: int, *,
-                 count_final_search: bool = False) -> np.ndarray:
+                 count_final_search: bool = False,
+                 final_search: np.ndarray | None = None) -> np.ndarray:
   """Stratum key of each row: its search-call count.
 
   The rollout counts only searches that were answered. A ``<search>`` in the final turn
@@ -88,10 +192,14 @@ def stratum_keys(batch: traj_lib.TrajectoryBatch, rows: np.ndarray, max_turns: i
 
   Args:
     rows: i32[...] rollout rows. Returns: i32[...] keys shaped like ``rows``.
+    final_search: bool[R] per rollout row (:attr:`RowArrays.final_search`), instead of parsing
+      ``batch.generated_text``.
   """
   flat = np.asarray(rows).reshape(-1)
   keys = np.asarray(batch.search_calls)[flat].astype(np.int32)
-  if count_final_search:
+  if count_final_search and final_search is not None:
+    keys += np.asarray(final_search, bool)[flat]
+  elif count_final_search:
     for j, i in enumerate(flat):
       texts = batch.generated_text[i]
       if len(texts) == max_turns + 1 and protocol.parse_action(texts[-1])[0] == "search":
@@ -102,7 +210,8 @@ def stratum_keys(batch: traj_lib.TrajectoryBatch, rows: np.ndarray, max_turns: i
 def advantage_inputs(batch: traj_lib.TrajectoryBatch, rewards: np.ndarray, rows: np.ndarray,
                      valid_groups: np.ndarray, max_steps: int, *, anchor_grouping: str | None,
                      similarity_thresh: float = 0.9, num_candidates: int | None = None,
-                     count_final_search: bool = False) -> adv_compose.AdvantageInputs:
+                     count_final_search: bool = False, row_arrays: RowArrays | None = None,
+                     anchor_ids: np.ndarray | None = None) -> adv_compose.AdvantageInputs:
   """The padded ``[P, G, T]`` advantage inputs of the trained groups.
 
   A trajectory's outcome reward is also its last step's reward (Search-R1: the environment
@@ -120,6 +229,11 @@ def advantage_inputs(batch: traj_lib.TrajectoryBatch, rewards: np.ndarray, rows:
     similarity_thresh: threshold of ``'similarity'`` grouping.
     num_candidates: groups rolled out per step (k·P); None = ``rewards.shape[0]``.
     count_final_search: see :func:`stratum_keys` (``advantage.stratified.count_final_search``).
+    row_arrays: the step's global :class:`RowArrays`: action validity and final searches are
+      read from it, not from the batch's per-row lists (which a multi-host trainer does not
+      gather).
+    anchor_ids: i32[P, G, T] from :func:`group_anchor_ids` (all-gathered), instead of grouping
+      ``batch.anchors`` here; ignored when ``anchor_grouping`` is None.
   Returns:
     :class:`gigrl.advantages.AdvantageInputs` of numpy arrays: rewards f32[P, G],
     valid bool[P, G], strata i32[P, G], step_rewards f32[P, G, T], step_valid bool[P, G, T],
@@ -137,22 +251,21 @@ def advantage_inputs(batch: traj_lib.TrajectoryBatch, rewards: np.ndarray, rows:
   step_rewards = np.zeros((p, g, t), np.float32)
   np.put_along_axis(step_rewards, last[..., None], r[..., None], axis=2)
   step_rewards *= step_valid
-  anchor_ids = np.zeros((p, g, t), np.int32)
-  if anchor_grouping is not None:
-    anchors = [[batch.anchors[i][:batch.num_steps[i]] for i in row] for row in rows]
-    if anchor_grouping == "similarity":
-      ids = anchors_lib.similarity_anchor_ids(anchors, similarity_thresh)
-    elif anchor_grouping == "exact":
-      ids = anchors_lib.exact_anchor_ids(anchors)
-    else:
-      raise ValueError(f"anchor_grouping={anchor_grouping!r}; expected 'exact', "
-                       "'similarity' or None")
-    anchor_ids[:, :, :ids.shape[2]] = ids[:, :, :t]
-  action_valid = np.ones((p, g, t), bool)
-  for pi, row in enumerate(rows):
-    for gi, i in enumerate(row):
-      av = batch.action_valid[i][:t]
-      action_valid[pi, gi, :len(av)] = av
+  if anchor_grouping is None:
+    anchor_ids = np.zeros((p, g, t), np.int32)
+  elif anchor_ids is None:
+    anchor_ids = group_anchor_ids(batch, rows, t, anchor_grouping=anchor_grouping,
+                                  similarity_thresh=similarity_thresh)
+  else:
+    anchor_ids = np.asarray(anchor_ids, np.int32).reshape(p, g, t)
+  if row_arrays is not None:
+    action_valid = np.asarray(row_arrays.action_valid, bool)[flat].reshape(p, g, t)
+  else:
+    action_valid = np.ones((p, g, t), bool)
+    for pi, row in enumerate(rows):
+      for gi, i in enumerate(row):
+        av = batch.action_valid[i][:t]
+        action_valid[pi, gi, :len(av)] = av
   rewards = np.asarray(rewards, np.float32)
   c = rewards.shape[0] if num_candidates is None else max(int(num_candidates), rewards.shape[0])
   batch_rewards = np.zeros((c, g), np.float32)
@@ -160,9 +273,24 @@ def advantage_inputs(batch: traj_lib.TrajectoryBatch, rewards: np.ndarray, rows:
   batch_valid = np.arange(c)[:, None].repeat(g, axis=1) < rewards.shape[0]
   return adv_compose.AdvantageInputs(
       rewards=r, valid=valid,
-      strata=stratum_keys(batch, rows, t - 1, count_final_search=count_final_search),
+      strata=stratum_keys(batch, rows, t - 1, count_final_search=count_final_search,
+                          final_search=None if row_arrays is None else row_arrays.final_search),
       step_rewards=step_rewards, step_valid=step_valid, anchor_ids=anchor_ids,
       action_valid=action_valid, batch_rewards=batch_rewards, batch_valid=batch_valid)
+
+
+def anchor_group_frac(inputs: adv_compose.AdvantageInputs) -> float:
+  """Anchor-state groups per valid step of the trained groups (GiGPO's step groups; 1 = every
+  step is its own group: no step-level signal).
+
+  Args:
+    inputs: AdvantageInputs with step_valid bool[P, G, T] and anchor_ids i32[P, G, T].
+  """
+  valid = np.asarray(inputs.step_valid, bool)
+  ids = np.asarray(inputs.anchor_ids, np.int64)
+  span = int(ids.max(initial=0)) + 2                       # ids >= -1
+  keys = (np.arange(ids.shape[0])[:, None, None] * span + ids + 1)[valid]
+  return float(len(np.unique(keys)) / max(int(valid.sum()), 1))
 
 
 def token_advantages(advantages: np.ndarray, step_ids: np.ndarray) -> np.ndarray:
@@ -227,19 +355,22 @@ def sft_indices(num_demos: int, batch_size: int, seed: int, step: int) -> np.nda
   return idx
 
 
-def rollout_metrics(batch: traj_lib.TrajectoryBatch, rewards: np.ndarray) -> dict[str, Any]:
+def rollout_metrics(batch: traj_lib.TrajectoryBatch, rewards: np.ndarray,
+                    answered: np.ndarray | None = None) -> dict[str, Any]:
   """Metrics over every rolled-out candidate group (not only the trained ones).
 
   Args:
     batch: the rollout batch; its first C·G rows are the candidates' rollouts.
     rewards: f32[C, G].
+    answered: bool[R] (:attr:`RowArrays.answered`), instead of parsing ``batch.generated_text``.
   """
   n = rewards.size
+  if answered is None:
+    answered = [reward_lib.extract_answer(t) is not None for t in batch.generated_text[:n]]
   return {
       "reward_mean": float(rewards.mean()), "em": float(rewards.mean()),
       "search_calls_mean": float(batch.search_calls[:n].mean()),
       "turns_mean": float(batch.num_steps[:n].mean()),
-      "answered_frac": float(np.mean([reward_lib.extract_answer(t) is not None
-                                      for t in batch.generated_text[:n]])),
+      "answered_frac": float(np.mean(np.asarray(answered[:n], bool))),
       "zero_variance_frac": float(np.mean([r.min() == r.max() for r in rewards])),
   }

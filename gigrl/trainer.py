@@ -89,28 +89,89 @@ class _ProcessShare:
 
   Questions are padded (repeating the last) to a multiple of the mesh's batch devices, so each
   process's rows split over its devices; the padding rows are dropped from the result.
+
+  :meth:`run_rl` (the RL step) keeps each process's string work on its own rows: the rows'
+  texts, anchors and action flags stay on their host, which reduces them to compact
+  :class:`gigrl.rl_batch.RowArrays` (all-gathered), and :meth:`owned` gathers per-group values
+  (the anchor ids) each from the host that holds the group.
   """
+
+  # per-row lists that run_rl reduces on each host instead of gathering
+  LOCAL_FIELDS = ("generated_text", "anchors", "action_valid")
 
   def __init__(self, engine, mesh: jax.sharding.Mesh):
     self.engine, self.mesh = engine, mesh
+    # (this process's rollout rows, global index of the first, rows per process) of the last
+    # run_rl; rows per process None = the batch is global (one process, or groups split)
+    self._local: tuple[Any, int, int | None] | None = None
+
+  def _padded(self, questions) -> list:
+    multiple = int(np.lcm(jax.process_count(), build.batch_axis_size(self.mesh)))
+    return list(questions) + [questions[-1]] * (-len(questions) % multiple)
+
+  @staticmethod
+  def _cut(batch, n: int):
+    return dataclasses.replace(batch, **{
+        f.name: getattr(batch, f.name)[:n] for f in dataclasses.fields(batch)
+        if getattr(batch, f.name) is not None})
+
+  @staticmethod
+  def _reduce(metrics):
+    # counts (tokens, callbacks, retriever requests) add up over processes; wall times and the
+    # decode loop's step count (one loop over the global batch) are the slowest process's
+    return distributed.reduce_metrics(
+        metrics, maximum=[k for k in metrics if k.startswith("time/")
+                          or k == "rollout/decode_steps"])
 
   def run(self, params, questions, key):
     if jax.process_count() == 1:
       return self.engine.run(params, questions, key)
     n = len(questions)
-    multiple = int(np.lcm(jax.process_count(), build.batch_axis_size(self.mesh)))
-    padded = list(questions) + [questions[-1]] * (-n % multiple)
+    padded = self._padded(questions)
     local, metrics = self.engine.run(params, padded[distributed.process_rows(len(padded))], key)
     batch = distributed.gather_batch(local)
     if len(padded) > n:
-      batch = dataclasses.replace(batch, **{f.name: getattr(batch, f.name)[:n]
-                                            for f in dataclasses.fields(batch)})
-    # counts (tokens, callbacks, retriever requests) add up over processes; wall times and the
-    # decode loop's step count (one loop over the global batch) are the slowest process's
-    metrics = distributed.reduce_metrics(
-        metrics, maximum=[k for k in metrics if k.startswith("time/")
-                          or k == "rollout/decode_steps"])
-    return batch, metrics
+      batch = self._cut(batch, n)
+    return batch, self._reduce(metrics)
+
+  def run_rl(self, params, questions, key, row_fn, group_size: int):
+    """Rolls out ``questions`` (G consecutive rows per group); ``row_fn(rows, first_row)``
+    reduces a process's rows (global rows ``first_row + i``) to a NamedTuple of per-row arrays.
+
+    Returns:
+      (batch, row arrays, metrics): the global batch without the per-row string lists
+      (:attr:`LOCAL_FIELDS` are None) when there are several processes, the global row arrays
+      (first ``len(questions)`` rows). When a process's share is not whole groups, the whole
+      batch is gathered and every process reduces every row (the one-process computation).
+    """
+    n = len(questions)
+    if jax.process_count() == 1:
+      batch, metrics = self.engine.run(params, questions, key)
+      self._local = (batch, 0, None)
+      return batch, row_fn(batch, 0), metrics
+    padded = self._padded(questions)
+    share = distributed.process_rows(len(padded))
+    local, metrics = self.engine.run(params, padded[share], key)
+    per = share.stop - share.start
+    if per % int(group_size):              # groups split between processes: the global path
+      batch = self._cut(distributed.gather_batch(local), n)
+      self._local = (batch, 0, None)
+      return batch, row_fn(batch, 0), self._reduce(metrics)
+    arrays = row_fn(local, share.start)
+    arrays = type(arrays)(*(distributed.gather_rows(a)[:n] for a in arrays))
+    batch = self._cut(distributed.gather_batch(local, skip=self.LOCAL_FIELDS), n)
+    self._local = (local, share.start, per)
+    return batch, arrays, self._reduce(metrics)
+
+  def owned(self, group_fn, rows: np.ndarray) -> np.ndarray:
+    """``group_fn(rows_of_this_process, first_row)`` -> [P, ...] values of the groups of
+    ``rows`` (i32[P, G] global rollout rows) this process holds, gathered so each group's value
+    comes from its host (after :meth:`run_rl`)."""
+    local, first, per = self._local
+    x = group_fn(local, first)
+    if per is None:
+      return x
+    return distributed.gather_owned(x, np.asarray(rows)[:, 0] // per)
 
 
 class Trainer:
@@ -322,21 +383,33 @@ class Trainer:
     key = jax.random.fold_in(jax.random.key(cfg.seed), step)
     self.retriever.new_step()
     search_before = self.retriever.metrics()
-    # Each process rolls out its own share of the rows (_ProcessShare); the batch is then
-    # global on every process, so the pool decision, advantages and metrics below are the same
-    # computation on every host (no decision to broadcast).
-    batch, rmetrics = self.engine.run(self.policy.rollout_params(self.state.params),
-                                      [q.question for q in padded for _ in range(g)], key)
+    # Each process rolls out its own share of the rows (_ProcessShare) and reduces their
+    # strings (answers, anchors, action flags) to compact arrays; the token arrays and those
+    # arrays are then global on every process, so the pool decision, advantages and metrics
+    # below are the same computation on every host (no decision to broadcast).
+    t_steps = self.settings.max_turns + 1
+    golden = [q.golden_answers for q in questions]
+    batch, row_arrays, rmetrics = self.engine.run_rl(
+        self.policy.rollout_params(self.state.params),
+        [q.question for q in padded for _ in range(g)], key,
+        lambda b, first: rl_batch.row_arrays(b, golden, g, t_steps, first_row=first), g)
     t_roll = time.perf_counter() - t_start
-    rewards = rl_batch.rollout_rewards(batch, [q.golden_answers for q in questions], g)
+    rewards = row_arrays.rewards[:len(questions) * g].reshape(len(questions), g)
     accepted, pmetrics = self.pool.update(cands, rewards)
     rows, valid = rl_batch.train_rows(cands, accepted, p, g)
+    grouping = build.anchor_grouping(self.adv_cfg)
+    anchor_ids = None
+    if grouping is not None:    # each host groups the anchors of the trained groups it holds
+      anchor_ids = self.engine.owned(
+          lambda b, first: rl_batch.group_anchor_ids(
+              b, rows, t_steps, anchor_grouping=grouping,
+              similarity_thresh=self.adv_cfg.gigpo_similarity_thresh, first_row=first), rows)
     inputs = rl_batch.advantage_inputs(
-        batch, rewards, rows, valid, self.settings.max_turns + 1,
-        anchor_grouping=build.anchor_grouping(self.adv_cfg),
+        batch, rewards, rows, valid, t_steps, anchor_grouping=grouping,
         similarity_thresh=self.adv_cfg.gigpo_similarity_thresh,
         num_candidates=self.pool.num_candidates,
-        count_final_search=self.adv_cfg.stratified_count_final_search)
+        count_final_search=self.adv_cfg.stratified_count_final_search,
+        row_arrays=row_arrays, anchor_ids=anchor_ids)
     adv, adv_state, ametrics = self.adv_fn(inputs, self.state.adv_state)
     self.state = self.state.replace(adv_state=adv_state)
     tokens, mask, tok_adv = rl_batch.train_batch(batch, rows, valid, np.asarray(adv))
@@ -357,7 +430,7 @@ class Trainer:
     sel = rows.reshape(-1)
     record = {
         "step": step, "phase": "rl",
-        **rl_batch.rollout_metrics(batch, rewards),
+        **rl_batch.rollout_metrics(batch, rewards, row_arrays.answered),
         "loss": lm.get("loss", 0.0), "kl": lm.get("kl", 0.0),
         "train/tokens_per_s": (float(batch.lengths[sel].sum()) / t_train
                                if valid.any() else 0.0),
@@ -371,6 +444,8 @@ class Trainer:
            for k, v in jax.device_get(ametrics).items()},
         **{k: float(v) for k, v in pmetrics.items()},
         **{k: float(v) for k, v in rmetrics.items()},
+        **({} if anchor_ids is None else
+           {"gigpo/anchor_group_frac": rl_batch.anchor_group_frac(inputs)}),
         # this step's search counters (the retriever's counters are cumulative)
         **{f"search/{k}": v for k, v in distributed.reduce_metrics(
             {k: float(v - search_before.get(k, 0))
