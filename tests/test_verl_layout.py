@@ -263,3 +263,27 @@ def test_errors():
     verl.row_layout(["a", "b"], ["x", "x"])
   with pytest.raises(ValueError, match="rows"):
     verl.gigpo_row_advantages(*args, ["a"], ["x"])
+
+
+def test_bucketed_shapes_reuse_the_compiled_kernel():
+  """Batches whose per-prompt row counts differ within one bucket (here 17..20 rows per
+  prompt -> T = 20) run one compiled kernel; the padded cells change nothing."""
+  assert [verl.bucket(x) for x in (7, 8, 9, 17, 20, 21, 80, 81)] == \
+      [7, 8, 10, 20, 20, 24, 80, 96]
+  kernel = verl._grid_kernel             # pylint: disable=protected-access
+  sizes = []
+  for rows_per_prompt in (17, 18, 19):
+    n = 3 * rows_per_prompt
+    index = np.repeat(np.array(["a", "b", "c"], object), rows_per_prompt)
+    obs = np.array([f"obs {i % 5}" for i in range(n)], object)
+    rng = np.random.default_rng(rows_per_prompt)
+    step_r = rng.random(n).astype(np.float32)
+    tlr = rng.random((n, 3)).astype(np.float32)
+    mask = np.ones((n, 3), np.float32)
+    got = verl.gigpo_row_advantages(tlr, step_r, mask, obs, index, None,
+                                    mode="mean_std_norm", epsilon=1e-6)
+    want, _ = plain_gigpo(tlr, step_r, mask, obs, index, eps=1e-6, w=1.0,
+                          mode="mean_std_norm", sim=False, thr=0.95)
+    close(got.token_advantages, want, f"{rows_per_prompt} rows per prompt")
+    sizes.append(kernel._cache_size())   # pylint: disable=protected-access
+  assert sizes[0] == sizes[1] == sizes[2], sizes

@@ -13,6 +13,9 @@ trajectory appear in time order. The rows are mapped onto gigrl's padded
 the uids, stable ranks for the positions; no per-row Python loop), the
 jitted kernels of :mod:`gigrl.advantages.gigpo` compute the advantages, and
 the per-row scores are gathered back and spread over the response tokens.
+The grid's P, G and T are rounded up to :func:`bucket` sizes, so steps whose
+row counts vary reuse a few compiled kernels (a compile takes ~2 s on CPU;
+padded shapes can move a score by an ulp of its reductions, ~5e-7).
 
 Semantics (verl-agent ``episode_norm_reward``, ``build_step_group``,
 ``step_norm_reward``; GiGPO Eqs. 3, 6-8):
@@ -153,7 +156,16 @@ def _ranks(codes: np.ndarray, n_codes: int, starts: np.ndarray | None = None
   return ranks
 
 
-def row_layout(index: Any, traj_index: Any | None = None) -> RowLayout:
+def bucket(x: int) -> int:
+  """``x`` rounded up to a ladder of 4 sizes per octave (at most 25% padding: 8, 10, 12, 14,
+  16, 20, 24, 28, 32, 40, ...), so batches with varying row counts reuse a few jit shapes."""
+  x = int(x)
+  q = 1 << max(0, x.bit_length() - 3)
+  return -(-x // q) * q
+
+
+def row_layout(index: Any, traj_index: Any | None = None, *,
+               bucketed: bool = False) -> RowLayout:
   """Maps verl-agent's flat step rows onto the padded ``[P, G, T]`` layout.
 
   Prompts and trajectories are numbered in order of first appearance; a
@@ -165,6 +177,8 @@ def row_layout(index: Any, traj_index: Any | None = None) -> RowLayout:
     traj_index: length-N trajectory uid of each row, or None: then G = 1 and
       each prompt's rows, in batch order, form one sequence (enough for
       GiGPO when the step returns are given: its statistics are per prompt).
+    bucketed: pad P, G and T up to :func:`bucket` sizes (empty cells are not rows), so the
+      jitted kernel compiles once per bucket, not once per batch shape (~2 s each on CPU).
 
   Returns:
     RowLayout.
@@ -190,6 +204,8 @@ def row_layout(index: Any, traj_index: Any | None = None) -> RowLayout:
     traj = _ranks(owner, n_prompts)[tcode]       # owner is first-appearance
   shape = (n_prompts, int(traj.max(initial=-1)) + 1,
            int(step.max(initial=-1)) + 1)
+  if bucketed:
+    shape = tuple(bucket(x) for x in shape)
   flat = (prompt * shape[1] + traj) * shape[2] + step
   dense = n == shape[0] * shape[1] * shape[2] and bool(
       (np.diff(flat) == 1).all())
@@ -395,14 +411,14 @@ def gigpo_row_advantages(token_level_rewards: Any, step_rewards: Any,
   if step_rewards is None:
     if gamma is None or env_rewards is None:
       raise ValueError("step_rewards=None needs gamma and env_rewards")
-    layout = row_layout(index, traj_index)
+    layout = row_layout(index, traj_index, bucketed=True)
     values = _numpy(env_rewards, np.float32).reshape(-1)
     penalty = np.zeros(n, np.float32)
     if is_action_valid is not None:
       penalty = invalid_action_penalty_coef * (
           1.0 - _numpy(is_action_valid, np.float32).reshape(-1))
   else:
-    layout = row_layout(index)
+    layout = row_layout(index, bucketed=True)
     values = _numpy(step_rewards, np.float32).reshape(-1)
     penalty = None
     gamma = None
