@@ -37,9 +37,11 @@ def test_block_causal_attention_matches_masked_attend(block):
   def loss(fn):
     return lambda q, k, v: jnp.sum(w * fn(q, k, v))
 
-  got = attn.attend_causal(q, k, v, block)
+  # jitted: op-by-op dispatch of the block loop and its VJP costs ~4x the CPU of a compile
+  got = jax.jit(lambda *a: attn.attend_causal(*a, block))(q, k, v)
   np.testing.assert_allclose(got, attn.attend(q, k, v, mask), atol=1e-6)
-  g_got = jax.grad(loss(lambda *a: attn.attend_causal(*a, block)), argnums=(0, 1, 2))(q, k, v)
+  g_got = jax.jit(jax.grad(loss(lambda *a: attn.attend_causal(*a, block)),
+                           argnums=(0, 1, 2)))(q, k, v)
   g_want = jax.grad(loss(lambda *a: attn.attend(*a, mask)), argnums=(0, 1, 2))(q, k, v)
   for a, b in zip(g_got, g_want):
     np.testing.assert_allclose(a, b, atol=1e-5)
@@ -77,7 +79,8 @@ def _splash(q, k, v, seg=None):
   return attn.splash_causal(q, k, v, seg, interpret=True)
 
 
-@pytest.mark.parametrize("s", [40, 128])         # 40 is padded up to 128
+# 40 is padded up to 128 (the quick set runs it; 128, the same kernel size, is slow)
+@pytest.mark.parametrize("s", [40, pytest.param(128, marks=pytest.mark.slow)])
 def test_splash_kernel_matches_xla_causal_gqa(s):
   b = 2
   q, k, v = _qkv(2, b, s, s, h=4, kv=2, hd=64)
@@ -86,6 +89,7 @@ def test_splash_kernel_matches_xla_causal_gqa(s):
   np.testing.assert_allclose(got, want, atol=2e-5)
 
 
+@pytest.mark.slow     # interpret-mode kernel and its VJP: ~30 s of CPU
 def test_splash_segment_ids_and_gradients():
   """Segment ids (padding = segment 0) and the kernel's VJP match the XLA path."""
   b, s = 2, 48
