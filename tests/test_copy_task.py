@@ -14,14 +14,13 @@ def test_copy_batch_masks_exactly_the_predictable_second_copy():
     n = int((row > 0).sum())
     k = int(m.sum()) + 1                       # the first token of the copy is not a target
     assert 3 <= k <= 12
-    first, second = row[n - 2 * k:n - k], row[n - k:n]
+    second = row[n - k:n]
     seq = row[:n]
     # the copied span occurs earlier in the row, and the mask covers its tail only
     hits = [i for i in range(n - 2 * k + 1) if np.array_equal(seq[i:i + k], second)]
     assert hits, "the second copy has no earlier occurrence"
     assert np.all(m[n - k + 1:n] == 1) and m[:n - k + 1].sum() == 0 and m[n:].sum() == 0
     assert np.isin(seq, ids).all()
-    del first
 
 
 def test_copy_batch_is_a_pure_function_of_seed_and_step():
