@@ -74,6 +74,7 @@ def train_config() -> ml_collections.ConfigDict:
   c.sft_batch_size = 16
   c.sft_questions = 0          # 0 = all training questions
   c.sft_only_answer_in_obs = False
+  c.rl_skip_sft_questions = False  # RL samples only the questions after the first sft_questions
   c.copy_steps = 0             # first SFT steps on synthetic copying sequences (data/copy_task)
   c.copy_width = 48            # tokens per copying sequence
   c.copy_batch_size = 64       # copying sequences per step
@@ -188,6 +189,9 @@ def _validate_train(cfg):
   check_range(cfg, "train.sft_batch_size", 1, integer=True)
   check_range(cfg, "train.sft_questions", 0, integer=True)
   check_range(cfg, "train.copy_steps", 0, integer=True, hi=int(cfg.train.sft_steps))
+  if get_field(cfg, "train.rl_skip_sft_questions") and not int(cfg.train.sft_questions):
+    raise ConfigError("train.rl_skip_sft_questions", True,
+                      "False when train.sft_questions = 0 (every question is an SFT one)")
   check_range(cfg, "train.copy_width", 40, integer=True)
   check_range(cfg, "train.copy_batch_size", 1, integer=True)
   check_range(cfg, "train.eval_questions", 0, integer=True)

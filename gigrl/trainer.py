@@ -36,6 +36,7 @@ from gigrl import rl_batch
 from gigrl import search as search_lib
 from gigrl import train_state as state_lib
 from gigrl import update as update_lib
+from gigrl.config_utils import ConfigError
 from gigrl.data import copy_task
 from gigrl.data import pool as pool_lib
 from gigrl.data import qa as qa_lib
@@ -45,6 +46,24 @@ from gigrl.rollout import trajectory as traj_lib
 
 def _log(msg: str) -> None:
   tqdm.write(f"[gigrl] {msg}", file=sys.stderr)
+
+
+def _rl_questions(t, train: list) -> list:
+  """The questions RL samples: all training questions, or (``train.rl_skip_sft_questions``)
+  those after the first ``train.sft_questions``, which the warm-start never demonstrated.
+
+  Raises:
+    ConfigError: naming ``train.rl_skip_sft_questions`` when that leaves no question.
+  """
+  if not t.rl_skip_sft_questions:
+    return train
+  rest = train[int(t.sft_questions):]
+  if not rest:
+    raise ConfigError(
+        "train.rl_skip_sft_questions", True,
+        f"False, or train.sft_questions ({t.sft_questions}) below the {len(train)} training "
+        "questions: no question is left for RL")
+  return rest
 
 
 class NonFiniteError(RuntimeError):
@@ -194,9 +213,10 @@ class Trainer:
     self.settings = build.rollout_settings(cfg)
     self.engine = _ProcessShare(
         build.build_engine(cfg, self.policy, self.tokenizer, self.retriever), self.policy.mesh)
+    self.rl_questions = _rl_questions(cfg.train, self.data.train)
     p = cfg.data.pool
     self.pool = pool_lib.QueryPool(
-        len(self.data.train), rule=p.rule, batch_size=cfg.data.prompts_per_step,
+        len(self.rl_questions), rule=p.rule, batch_size=cfg.data.prompts_per_step,
         oversample=p.oversample, success_threshold=p.success_threshold, seed=cfg.seed)
     self.ckpt = ckpt_lib.Checkpointer(ckpt_lib.checkpoint_dir(self.workdir),
                                       keep=cfg.checkpoint.keep,
@@ -376,7 +396,7 @@ class Trainer:
            f"queries; re-activating all {self.pool.num_queries}")
       self.pool.weights[:] = 1.0
     cands = self.pool.sample()
-    questions = [self.data.train[int(i)] for i in cands]
+    questions = [self.rl_questions[int(i)] for i in cands]
     # Fixed rollout width (k·P groups) so the jitted rollout never recompiles; filler groups
     # repeat the last question and are dropped before the pool update.
     padded = questions + [questions[-1]] * (self.pool.num_candidates - len(questions))

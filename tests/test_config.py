@@ -87,3 +87,20 @@ def test_cli_rejects_unknown_field(tmp_path):
        "--workdir", str(tmp_path), "--config.train.num_stepz=3"],
       capture_output=True, text=True, timeout=120, cwd=ROOT)
   assert proc.returncode != 0 and "num_stepz" in proc.stderr
+
+
+def test_rl_skip_sft_questions_needs_an_sft_prefix_and_leaves_the_rest():
+  from gigrl import trainer
+  cfg = config_lib.base_config()
+  cfg.train.rl_skip_sft_questions = True
+  with pytest.raises(ConfigError, match="train.sft_questions = 0") as e:
+    config_lib.validate(cfg)
+  assert e.value.field == "train.rl_skip_sft_questions"
+  cfg.train.sft_questions = 2
+  config_lib.validate(cfg)
+  assert trainer._rl_questions(cfg.train, list("abcde")) == list("cde")
+  cfg.train.rl_skip_sft_questions = False
+  assert trainer._rl_questions(cfg.train, list("abcde")) == list("abcde")
+  cfg.train.rl_skip_sft_questions, cfg.train.sft_questions = True, 5
+  with pytest.raises(ConfigError, match="no question is left for RL"):
+    trainer._rl_questions(cfg.train, list("abcde"))

@@ -114,3 +114,34 @@ def test_task_tokenizer_covers_the_task():
   for d in _read(countries.CORPUS_FILE)[:200]:
     assert tok.decode(tok.encode(d["contents"])) == d["contents"]
   assert len(tok.encode(tags.INSTRUCTION)) < 128
+
+
+def test_sft_countries_sort_first_among_one_hop_questions(generated):
+  _, questions = generated
+  train = sorted((q for q in questions if q["split"] == "train"), key=lambda q: q["id"])
+  n1 = sum(q["hops"] == 1 for q in train)
+  is_sft = [all(countries.is_sft_country(c) for c in q["countries"]) for q in train[:n1]]
+  n_sft = sum(is_sft)
+  assert 0.3 * n1 < n_sft < 0.7 * n1
+  assert all(is_sft[:n_sft]) and not any(is_sft[n_sft:])
+  assert countries.count_train_questions(1, sft_only=True) == n_sft
+  assert countries.count_train_questions(1) == n1
+
+
+def test_two_hop_queries_name_the_pivot_entity_then_the_bridge_country(generated):
+  _, questions = generated
+  src = countries.load_countries(SOURCE)
+  two_hop = [q for q in questions if q["hops"] == 2]
+  assert two_hop and all(len(q["hop_queries"]) == 2 for q in two_hop)
+  assert all("hop_queries" not in q for q in questions if q["hops"] == 1)
+  for q in two_hop:
+    pivot, second = q["relation"].split(">")
+    first, then = q["hop_queries"]
+    # The first hop's answer is the bridge country: the pivot's own country for
+    # capital/currency -> country, the only neighbour for neighbour.
+    bridge = src[q["countries"][1] if pivot == "neighbour" else q["countries"][0]]
+    assert bridge.name in then, q
+    assert first in {t.format(e=e) for t in countries.ONE_HOP_TEMPLATES[pivot]
+                     for e in (bridge.capital, bridge.currency_name,
+                               src[q["countries"][0]].name)}, q
+    assert then in {t.format(e=bridge.name) for t in countries.ONE_HOP_TEMPLATES[second]}, q

@@ -75,6 +75,7 @@ def test_split_is_fixed_and_disjoint():
 def test_tfds_round_trip_user_file(tmp_path):
   rows = [{"id": f"u{i}", "question": f"Question number {i}?", "golden_answers": [f"a{i}"],
            "data_source": "mine"} for i in range(40)]
+  rows[3]["hop_queries"] = ["first hop?", "second hop?"]
   path = _write(tmp_path, "mine.jsonl", [json.dumps(r) for r in rows])
   builder = tfds_qa.build(str(tmp_path / "tfds"), [path], eval_percent=25)
   train = tfds_qa.read_split(builder, "train")
@@ -83,6 +84,7 @@ def test_tfds_round_trip_user_file(tmp_path):
   assert {q.id for q in train + ev} == {r["id"] for r in rows}
   got = {q.id: q for q in train + ev}
   assert got["u3"].golden_answers == ("a3",) and got["u3"].question == "Question number 3?"
+  assert got["u3"].hop_queries == ("first hop?", "second hop?") and got["u4"].hop_queries == ()
   assert builder.info.file_format.value == "array_record"
 
 

@@ -228,3 +228,14 @@ def test_sft_demonstrations_are_not_built_on_failed_searches():
   with pytest.raises(resilient.TooManySearchFailures, match="4 of 4 search queries"):
     demos.build_demonstrations(questions, tok_lib.SentencePieceTokenizer(), retriever,
                                settings)
+
+
+def test_malformed_hop_queries_name_the_field_file_and_line(tmp_path):
+  path = tmp_path / "q.jsonl"
+  path.write_text('{"question": "a?", "golden_answers": ["b"]}\n'
+                  '{"question": "c?", "golden_answers": ["d"], "hop_queries": ["x", 3]}\n')
+  with pytest.raises(qa.DataError, match=r"q\.jsonl.*2.*hop_queries") as e:
+    qa.load_questions(str(path))
+  assert "list of non-empty strings" in str(e.value)
+  path.write_text('{"question": "c?", "golden_answers": ["d"], "hop_queries": [" x ", "y"]}\n')
+  assert qa.load_questions(str(path))[0].hop_queries == ("x", "y")

@@ -228,11 +228,33 @@ def test_demonstration_turns_end_with_a_stop_sequence(tok):
     assert len(gen[steps == t]) <= 8 and _ends_with_stop(gen[steps == t].tolist(), stops)
 
 
+HOPS = qa.Question("z", "Which currency is used in the country whose capital is Lima?", ("Sol",),
+                   "t", hop_queries=("Which country has Lima as its capital?",
+                                     "What currency is used in Peru?"))
+
+
+def test_multi_hop_demonstration_searches_each_hop_query(tok):
+  r = FakeRetriever()
+  (d,) = demos.build_demonstrations([HOPS], tok, r, SETTINGS)
+  assert r.calls == [list(HOPS.hop_queries)]
+  assert (d.num_steps, d.search_calls, d.answer_turn) == (3, 2, 2)
+  for turn, query in enumerate(HOPS.hop_queries):
+    assert f"<search> {query} </search>" in d.generated_text[turn]
+  assert "<answer> Sol </answer>" in d.generated_text[2]
+  # Each search is followed by its own observation: hop 2's passages come after turn 1.
+  tokens, steps = np.asarray(d.tokens), np.asarray(d.step_ids)
+  after = tok.decode(tokens[np.flatnonzero(steps == 1)[-1] + 1:np.flatnonzero(steps == 2)[0]])
+  assert "about What currency is used in Peru? number 0" in after
+  with pytest.raises(ValueError, match="rollout.max_turns=1"):
+    demos.build_demonstrations([HOPS], tok, r, dataclasses.replace(SETTINGS, max_turns=1))
+
+
 def test_rollout_reproduces_a_demonstration(monkeypatch, tok):
   """A policy that emits a demonstration's turns gets exactly the demonstration's tokens and
-  masks: SFT and RL see the same token boundaries (prompt, turns, observations)."""
+  masks: SFT and RL see the same token boundaries (prompt, turns, observations), for a 1-hop
+  and a 2-hop demonstration."""
   qs = [qa.Question("x", "Who wrote Walls and Bridges", ("John Lennon",), "t"),
-        qa.Question("y", "Where is the river Thames", ("London",), "t")]
+        qa.Question("y", "Where is the river Thames", ("London",), "t"), HOPS]
   built = demos.build_demonstrations(qs, tok, FakeRetriever(), SETTINGS)
   script = []
   for d in built:

@@ -18,7 +18,9 @@ Nigeria, Guinea / Equatorial Guinea / Guinea-Bissau, Sudan / South Sudan, Domini
 Republic) are look-alikes too.
 
 **Questions** (Search-R1 jsonl: ``id, question, golden_answers, data_source`` plus ``hops``,
-``relation``, ``countries`` (ISO2 codes of every country the chain touches) and ``split``):
+``relation``, ``countries`` (ISO2 codes of every country the chain touches), ``split`` and, for
+2-hop, ``hop_queries``: the two 1-hop questions a demonstration searches for, e.g. "Which
+country has Lima as its capital?" then "What is the currency of Peru?"):
 
 * 1-hop: country -> capital / currency / currency code / population / area / only neighbour;
   capital -> country; currency -> country.
@@ -45,7 +47,11 @@ A question whose answer occurs in its own text (the capital of Djibouti is Djibo
 is dropped: copying the question would answer it.
 
 Training ids sort 1-hop first (``countries-train-h1-*`` before ``countries-train-h2-*``), each in a
-fixed shuffled order, so ``train.sft_questions = N`` takes N random 1-hop questions; eval ids
+fixed shuffled order, and among the 1-hop ones the questions about the SFT countries
+(:func:`is_sft_country`, half of the training countries) first. So ``train.sft_questions = N``
+takes N random 1-hop questions, and ``count_train_questions(1, sft_only=True)`` exactly the SFT
+countries' ones (RL can then skip them: ``train.rl_skip_sft_questions``); N beyond the 1-hop
+count adds that many random 2-hop ones, demonstrated with ``hop_queries``. Eval ids
 (``countries-eval-*``) mix both hop counts in a shuffled order, so the first N are a fair sample.
 """
 from __future__ import annotations
@@ -69,6 +75,7 @@ QUESTIONS_FILE = "questions.jsonl"
 TOKENIZER_FILE = "spm_countries.model"
 TOKENIZER_VOCAB = 768
 HELDOUT_PERCENT = 20
+SFT_PERCENT = 50          # of the training countries: their 1-hop questions sort first (SFT)
 CONTINENTS = {"AF": "Africa", "AS": "Asia", "EU": "Europe", "NA": "North America",
               "OC": "Oceania", "SA": "South America", "AN": "Antarctica"}
 
@@ -118,6 +125,15 @@ def is_heldout(iso: str, percent: int = HELDOUT_PERCENT) -> bool:
   """Fixed country split: held out iff sha256(iso2) % 100 < percent."""
   digest = hashlib.sha256(iso.encode()).digest()
   return int.from_bytes(digest[:4], "big") % 100 < percent
+
+
+def is_sft_country(iso: str, percent: int = SFT_PERCENT) -> bool:
+  """Training countries whose 1-hop questions sort first (the SFT prefix): sha256('sft:' +
+  iso2) % 100 < percent. The others' questions are new to a policy warm-started on that prefix,
+  so RL on them (``train.rl_skip_sft_questions``) practises what held-out questions need:
+  searching for an entity and copying from the passage, not recalling a demonstrated answer."""
+  digest = hashlib.sha256(f"sft:{iso}".encode()).digest()
+  return int.from_bytes(digest[:8], "big") % 100 < percent
 
 
 def _join(names: Sequence[str]) -> str:
@@ -269,16 +285,19 @@ class _Facts:
     raise KeyError(rel)
 
 
-def count_train_questions(hops: int, path: str | None = None) -> int:
+def count_train_questions(hops: int, path: str | None = None, sft_only: bool = False) -> int:
   """Number of training questions with ``hops`` hops in a questions file (default: shipped).
 
-  Training ids sort 1-hop first, so ``train.sft_questions = count_train_questions(1)`` takes
-  exactly the 1-hop training questions.
+  Training ids sort 1-hop first, and among them the SFT countries' (:func:`is_sft_country`)
+  first, so ``train.sft_questions = count_train_questions(1)`` takes exactly the 1-hop training
+  questions and ``count_train_questions(1, sft_only=True)`` those of the SFT countries.
   """
   path = path or os.path.join(default_dir(), QUESTIONS_FILE)
   with open(path, encoding="utf-8") as f:
     rows = [json.loads(line) for line in f if line.strip()]
-  return sum(r.get("split") == "train" and r.get("hops") == hops for r in rows)
+  return sum(r.get("split") == "train" and r.get("hops") == hops
+             and (not sft_only or all(is_sft_country(c) for c in r["countries"]))
+             for r in rows)
 
 
 def _pick(templates: Sequence[str], key: str) -> str:
@@ -298,7 +317,7 @@ def build_questions(countries: dict[str, Country], heldout_percent: int = HELDOU
   facts = _Facts(countries)
   rows = []
 
-  def add(hops, rel, templates, entity, answers, chain):
+  def add(hops, rel, templates, entity, answers, chain, hop_queries=None):
     held = [is_heldout(i, heldout_percent) for i in chain]
     if any(held) and not all(held):
       return                                     # mixed chain: in neither split
@@ -309,9 +328,12 @@ def build_questions(countries: dict[str, Country], heldout_percent: int = HELDOU
       q = t.format(e=entity)
       if _overlaps(q, answers):
         continue                                   # answerable by copying the question
-      rows.append({"question": q[0].upper() + q[1:], "golden_answers": answers,
-                   "data_source": DATA_SOURCE, "hops": hops, "relation": rel,
-                   "countries": list(chain), "split": split})
+      row = {"question": q[0].upper() + q[1:], "golden_answers": answers,
+             "data_source": DATA_SOURCE, "hops": hops, "relation": rel,
+             "countries": list(chain), "split": split}
+      if hop_queries:
+        row["hop_queries"] = hop_queries
+      rows.append(row)
 
   for iso in countries:
     for rel, templates in ONE_HOP_TEMPLATES.items():
@@ -330,7 +352,9 @@ def build_questions(countries: dict[str, Country], heldout_percent: int = HELDOU
         continue
       answers, other = b
       chain = tuple(dict.fromkeys(x for x in (iso, bridge, other) if x))
-      add(2, f"{pivot}>{second}", templates, e, answers, chain)
+      hop_queries = [ONE_HOP_TEMPLATES[pivot][0].format(e=e),
+                     ONE_HOP_TEMPLATES[second][0].format(e=facts.subject(second, bridge))]
+      add(2, f"{pivot}>{second}", templates, e, answers, chain, hop_queries)
   _check_unique(rows)
   rng = random.Random(0)
   out = []
@@ -338,6 +362,8 @@ def build_questions(countries: dict[str, Country], heldout_percent: int = HELDOU
                         ("train-h2", [r for r in rows if r["split"] == "train" and r["hops"] == 2]),
                         ("eval", [r for r in rows if r["split"] == "eval"])):
     rng.shuffle(group)
+    if prefix == "train-h1":                    # SFT countries' questions first (stable)
+      group.sort(key=lambda r: not all(is_sft_country(c) for c in r["countries"]))
     out.extend({"id": f"{DATA_SOURCE}-{prefix}-{n:05d}", **r} for n, r in enumerate(group))
   return out
 

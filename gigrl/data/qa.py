@@ -46,12 +46,15 @@ class DataError(UserError, ValueError):
 @dataclasses.dataclass(frozen=True)
 class Question:
   """One QA example. ``golden_answers`` is a non-empty tuple of strings; ``split`` is '' (hash
-  split) or a pinned 'train' / 'eval'."""
+  split) or a pinned 'train' / 'eval'. ``hop_queries`` (optional jsonl field) are the search
+  queries of a multi-hop demonstration, one per hop (e.g. "Which country has Lima as its
+  capital?", "What is the currency of Peru?"); empty = search with the question itself."""
   id: str
   question: str
   golden_answers: tuple[str, ...]
   data_source: str
   split: str = ""
+  hop_queries: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +172,13 @@ def _parse_question(path: str, lineno: int, row: dict, default_source: str) -> Q
   split = row.get("split", "")
   if split not in ("", "train", "eval"):
     raise DataError(path, lineno, "split", f"expected 'train' or 'eval', got {split!r}")
-  return Question(str(qid), q.strip(), tuple(a.strip() for a in answers), source, split)
+  hop_queries = row.get("hop_queries", [])
+  if (not isinstance(hop_queries, list)
+      or not all(isinstance(h, str) and h.strip() for h in hop_queries)):
+    raise DataError(path, lineno, "hop_queries",
+                    f"expected a list of non-empty strings, got {hop_queries!r}")
+  return Question(str(qid), q.strip(), tuple(a.strip() for a in answers), source, split,
+                  tuple(h.strip() for h in hop_queries))
 
 
 def load_questions(path: str, data_source: str | None = None) -> list[Question]:

@@ -36,6 +36,7 @@ _FEATURES = tfds.features.FeaturesDict({
     "question": tfds.features.Text(),
     "golden_answers": tfds.features.Sequence(tfds.features.Text()),
     "data_source": tfds.features.Text(),
+    "hop_queries": tfds.features.Sequence(tfds.features.Text()),
 })
 
 
@@ -48,7 +49,8 @@ class QaConfig(tfds.core.BuilderConfig):
 class GigrlQa(tfds.core.GeneratorBasedBuilder):
   """Search-R1-format QA questions with a fixed train/eval split."""
 
-  VERSION = tfds.core.Version("1.0.0")
+  VERSION = tfds.core.Version("1.1.0")
+  RELEASE_NOTES = {"1.1.0": "hop_queries (multi-hop demonstration queries)."}
 
   # TFDS prints "Downloading and preparing dataset Unknown size ..." and "... downloaded and
   # prepared" to stdout; nothing is downloaded here (local files), so both stay quiet.
@@ -80,7 +82,8 @@ class GigrlQa(tfds.core.GeneratorBasedBuilder):
         key += "+"
       seen.add(key)
       yield key, {"id": q.id, "question": q.question,
-                  "golden_answers": list(q.golden_answers), "data_source": q.data_source}
+                  "golden_answers": list(q.golden_answers), "data_source": q.data_source,
+                  "hop_queries": list(q.hop_queries)}
 
 
 def _config_name(files: Sequence[str], eval_percent: int) -> str:
@@ -130,9 +133,8 @@ def read_split(builder: GigrlQa, split: str) -> list[qa.Question]:
   out = []
   for i in range(len(source)):
     row = source[i]
-    answers = row["golden_answers"]
-    answers = [_to_str(a) for a in (answers.tolist() if isinstance(answers, np.ndarray)
-                                    else answers)]
-    out.append(qa.Question(_to_str(row["id"]), _to_str(row["question"]), tuple(answers),
-                           _to_str(row["data_source"])))
+    answers, hops = (tuple(_to_str(a) for a in (v.tolist() if isinstance(v, np.ndarray) else v))
+                     for v in (row["golden_answers"], row["hop_queries"]))
+    out.append(qa.Question(_to_str(row["id"]), _to_str(row["question"]), answers,
+                           _to_str(row["data_source"]), hop_queries=hops))
   return out

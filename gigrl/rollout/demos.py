@@ -2,7 +2,9 @@
 
 A demonstration is: the question's prompt, one generated turn that searches for the question,
 the real retrieved passages (observation, loss mask 0), and a final turn that answers with the
-gold answer. Tokens are built with :class:`TrajectoryBuilder` exactly as a rollout builds them.
+gold answer. A multi-hop question with ``hop_queries`` searches once per hop query instead,
+each search followed by its observation. Tokens are built with :class:`TrajectoryBuilder`
+exactly as a rollout builds them.
 """
 from __future__ import annotations
 
@@ -26,37 +28,48 @@ def answer_in_text(answers: Sequence[str], text: str) -> bool:
 def build_demonstrations(questions: Sequence[Question], tokenizer, retriever,
                          settings: turns.RolloutSettings, *,
                          only_answer_in_obs: bool = False) -> list[traj_lib.TrajectoryBuilder]:
-  """One demonstration per question (search with the question, then answer).
+  """One demonstration per question: search (once per hop query), then answer.
 
   Args:
-    questions: training questions (never eval ones).
+    questions: training questions (never eval ones). A question's ``hop_queries`` (if any) are
+      its searches, in order; otherwise it searches for the question itself.
     tokenizer: the policy's tokenizer.
-    retriever: a ``gigrl.search`` retriever (queried once, batched).
+    retriever: a ``gigrl.search`` retriever (queried once, batched over all searches).
     settings: rollout settings (prompt/observation lengths must match the rollout).
-    only_answer_in_obs: keep only questions whose gold answer appears in the retrieved text.
+    only_answer_in_obs: keep only questions whose gold answer appears in the last
+      observation's text.
   Returns:
     Builders (maybe fewer than ``questions`` if filtered).
+  Raises:
+    ValueError: a question has more hop queries than ``settings.max_turns`` allows searches.
   """
+  queries = [list(q.hop_queries) or [q.question] for q in questions]
+  for q, qs in zip(questions, queries):
+    if len(qs) > settings.max_turns:
+      raise ValueError(f"question {q.id!r} has {len(qs)} hop_queries but rollout.max_turns="
+                       f"{settings.max_turns} allows at most {settings.max_turns} searches")
   prompts = turns.encode_prompts(tokenizer, [q.question for q in questions],
                                  settings.max_prompt_tokens)
-  results = retriever.search([q.question for q in questions], settings.topk_docs)
+  flat = [x for qs in queries for x in qs]
+  results = iter(retriever.search(flat, settings.topk_docs))
   demos = []
-  for q, prompt, passages in zip(questions, prompts, results):
-    obs_ids, anchor = traj_lib.observation_ids(
-        tokenizer, [p.contents for p in passages], settings.max_obs_tokens)
+  for q, prompt, qs in zip(questions, prompts, queries):
+    observations = [traj_lib.observation_ids(tokenizer, [p.contents for p in next(results)],
+                                             settings.max_obs_tokens) for _ in qs]
     if only_answer_in_obs and not answer_in_text(q.golden_answers,
-                                                 tokenizer.decode(obs_ids)):
+                                                 tokenizer.decode(observations[-1][0])):
       continue
     tb = traj_lib.TrajectoryBuilder()
     tb.add_prompt(prompt, anchor=q.question)
-    search = _capped(tokenizer, SEARCH_TURN.format(query=q.question), tags.SEARCH_END, settings)
-    tb.add_generation(search, tokenizer.decode(search))
-    tb.search_calls = 1
-    tb.add_observation(obs_ids, anchor=anchor)
+    for query, (obs_ids, anchor) in zip(qs, observations):
+      search = _capped(tokenizer, SEARCH_TURN.format(query=query), tags.SEARCH_END, settings)
+      tb.add_generation(search, tokenizer.decode(search))
+      tb.search_calls += 1
+      tb.add_observation(obs_ids, anchor=anchor)
     answer = _capped(tokenizer, ANSWER_TURN.format(answer=q.golden_answers[0]), tags.ANSWER_END,
                      settings)
     tb.add_generation(answer, tokenizer.decode(answer))
-    tb.answer_turn = 1
+    tb.answer_turn = len(qs)
     demos.append(tb)
   return demos
 
