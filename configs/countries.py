@@ -31,9 +31,9 @@ reward variance, and training reward_mean stays at 0.20-0.23 over 30 steps. 2-ho
 stays 0 with 1.0 searches: RL never finds the second search.
 
 Held-out copying needs many demonstrated entities: SFT on the 1-hop questions of half the
-training countries only (``train.sft_questions = countries.count_train_questions(1,
-sft_only=True)``, 1,165 demonstrations after the answer-in-observation filter), with RL on the
-other half's never-demonstrated questions (``train.rl_skip_sft_questions``), gave held-out EM
+training countries only (1,742 questions sorted first by a hash of the country, 1,165
+demonstrations after the answer-in-observation filter; that ordering was not kept), with RL on
+the other half's never-demonstrated questions (``train.rl_skip_sft_questions``), gave held-out EM
 0.000 at the start of RL and training reward 0 on every one of 13 RL steps (all groups
 zero-variance): nothing for RL to reinforce. Per relation, the warm-start above copies sloppily
 (469 held-out questions, greedy: "Guatatemala", "Etiopopia"; capital questions answered with the

@@ -116,18 +116,6 @@ def test_task_tokenizer_covers_the_task():
   assert len(tok.encode(tags.INSTRUCTION)) < 128
 
 
-def test_sft_countries_sort_first_among_one_hop_questions(generated):
-  _, questions = generated
-  train = sorted((q for q in questions if q["split"] == "train"), key=lambda q: q["id"])
-  n1 = sum(q["hops"] == 1 for q in train)
-  is_sft = [all(countries.is_sft_country(c) for c in q["countries"]) for q in train[:n1]]
-  n_sft = sum(is_sft)
-  assert 0.3 * n1 < n_sft < 0.7 * n1
-  assert all(is_sft[:n_sft]) and not any(is_sft[n_sft:])
-  assert countries.count_train_questions(1, sft_only=True) == n_sft
-  assert countries.count_train_questions(1) == n1
-
-
 def test_two_hop_queries_name_the_pivot_entity_then_the_bridge_country(generated):
   _, questions = generated
   src = countries.load_countries(SOURCE)

@@ -47,11 +47,9 @@ A question whose answer occurs in its own text (the capital of Djibouti is Djibo
 is dropped: copying the question would answer it.
 
 Training ids sort 1-hop first (``countries-train-h1-*`` before ``countries-train-h2-*``), each in a
-fixed shuffled order, and among the 1-hop ones the questions about the SFT countries
-(:func:`is_sft_country`, half of the training countries) first. So ``train.sft_questions = N``
-takes N random 1-hop questions, and ``count_train_questions(1, sft_only=True)`` exactly the SFT
-countries' ones (RL can then skip them: ``train.rl_skip_sft_questions``); N beyond the 1-hop
-count adds that many random 2-hop ones, demonstrated with ``hop_queries``. Eval ids
+fixed shuffled order. So ``train.sft_questions = N`` takes N random 1-hop questions (RL can
+then skip them: ``train.rl_skip_sft_questions``); N beyond the 1-hop count adds that many random
+2-hop ones, demonstrated with ``hop_queries``. Eval ids
 (``countries-eval-*``) mix both hop counts in a shuffled order, so the first N are a fair sample.
 """
 from __future__ import annotations
@@ -75,7 +73,6 @@ QUESTIONS_FILE = "questions.jsonl"
 TOKENIZER_FILE = "spm_countries.model"
 TOKENIZER_VOCAB = 768
 HELDOUT_PERCENT = 20
-SFT_PERCENT = 50          # of the training countries: their 1-hop questions sort first (SFT)
 CONTINENTS = {"AF": "Africa", "AS": "Asia", "EU": "Europe", "NA": "North America",
               "OC": "Oceania", "SA": "South America", "AN": "Antarctica"}
 
@@ -125,15 +122,6 @@ def is_heldout(iso: str, percent: int = HELDOUT_PERCENT) -> bool:
   """Fixed country split: held out iff sha256(iso2) % 100 < percent."""
   digest = hashlib.sha256(iso.encode()).digest()
   return int.from_bytes(digest[:4], "big") % 100 < percent
-
-
-def is_sft_country(iso: str, percent: int = SFT_PERCENT) -> bool:
-  """Training countries whose 1-hop questions sort first (the SFT prefix): sha256('sft:' +
-  iso2) % 100 < percent. The others' questions are new to a policy warm-started on that prefix,
-  so RL on them (``train.rl_skip_sft_questions``) practises what held-out questions need:
-  searching for an entity and copying from the passage, not recalling a demonstrated answer."""
-  digest = hashlib.sha256(f"sft:{iso}".encode()).digest()
-  return int.from_bytes(digest[:8], "big") % 100 < percent
 
 
 def _join(names: Sequence[str]) -> str:
@@ -285,19 +273,16 @@ class _Facts:
     raise KeyError(rel)
 
 
-def count_train_questions(hops: int, path: str | None = None, sft_only: bool = False) -> int:
+def count_train_questions(hops: int, path: str | None = None) -> int:
   """Number of training questions with ``hops`` hops in a questions file (default: shipped).
 
-  Training ids sort 1-hop first, and among them the SFT countries' (:func:`is_sft_country`)
-  first, so ``train.sft_questions = count_train_questions(1)`` takes exactly the 1-hop training
-  questions and ``count_train_questions(1, sft_only=True)`` those of the SFT countries.
+  Training ids sort 1-hop first, so ``train.sft_questions = count_train_questions(1)`` takes
+  exactly the 1-hop training questions.
   """
   path = path or os.path.join(default_dir(), QUESTIONS_FILE)
   with open(path, encoding="utf-8") as f:
     rows = [json.loads(line) for line in f if line.strip()]
-  return sum(r.get("split") == "train" and r.get("hops") == hops
-             and (not sft_only or all(is_sft_country(c) for c in r["countries"]))
-             for r in rows)
+  return sum(r.get("split") == "train" and r.get("hops") == hops for r in rows)
 
 
 def _pick(templates: Sequence[str], key: str) -> str:
@@ -362,8 +347,6 @@ def build_questions(countries: dict[str, Country], heldout_percent: int = HELDOU
                         ("train-h2", [r for r in rows if r["split"] == "train" and r["hops"] == 2]),
                         ("eval", [r for r in rows if r["split"] == "eval"])):
     rng.shuffle(group)
-    if prefix == "train-h1":                    # SFT countries' questions first (stable)
-      group.sort(key=lambda r: not all(is_sft_country(c) for c in r["countries"]))
     out.extend({"id": f"{DATA_SOURCE}-{prefix}-{n:05d}", **r} for n, r in enumerate(group))
   return out
 
