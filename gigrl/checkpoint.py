@@ -150,6 +150,50 @@ class Checkpointer:
     self.manager.close()
 
 
+def restore_params(workdir: str | epath.PathLike, step: int | None, target_params: Any
+                   ) -> tuple[Any, dict[str, Any]]:
+  """Only the policy params of another run's checkpoint (``train.init_from``).
+
+  Args:
+    workdir: that run's workdir (its ``checkpoints/`` folder is read; local or ``gs://``).
+    step: the checkpoint step; None = the newest.
+    target_params: the current policy's params (live or abstract); their structure, shapes,
+      dtypes and shardings are the restore target (the other arrays of the checkpoint, e.g. a
+      different estimator's advantage state, are not read).
+  Returns:
+    (params, the checkpoint's JSON metadata: ``step``, ``phase``, ``config``, ...).
+  Raises:
+    CheckpointError: no checkpoint there, or not the requested step.
+    StateMismatchError: the checkpoint's params differ in structure, shape or dtype.
+  """
+  directory = checkpoint_dir(workdir)
+  manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False),
+                                  item_handlers={"state": ocp.PyTreeCheckpointHandler(),
+                                                 "meta": ocp.JsonCheckpointHandler()})
+  try:
+    steps = sorted(manager.all_steps()) if directory.exists() else []
+    if not steps or (step is not None and step not in steps):
+      raise CheckpointError(f"train.init_from: {directory} has no checkpoint"
+                            + (f" at step {step} (it has {steps})" if step is not None and steps
+                               else ""))
+    step = steps[-1] if step is None else step
+    meta = dict(manager.restore(step, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore())).meta)
+    saved = manager.item_metadata(step)["state"]
+    saved_params = getattr(saved, "tree", saved)["params"]
+    abstract = state_lib.abstract(target_params)
+    differences = structure_differences(saved_params, abstract)
+    if differences:
+      raise StateMismatchError(str(directory), step, [f"params: {d}" for d in differences], [])
+    item = {"params": abstract}
+    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+        partial_restore=True)))
+    return restored.state["params"], meta
+  finally:
+    manager.close()
+
+
 def _report_unreadable(step: int, e: Exception) -> None:
   print(f"[gigrl] WARNING: checkpoint {step} is corrupt or partial "
         f"({type(e).__name__}: {str(e)[:200]}); falling back to an earlier one",

@@ -75,6 +75,8 @@ def train_config() -> ml_collections.ConfigDict:
   c.sft_questions = 0          # 0 = all training questions
   c.sft_only_answer_in_obs = False
   c.rl_skip_sft_questions = False  # RL samples only the questions after the first sft_questions
+  c.init_from = ""             # "<workdir>[@step]": a new run starts RL from the params of that
+                               # run's checkpoint at the end of its SFT (step = sft_steps)
   c.copy_steps = 0             # first SFT steps on synthetic copying sequences (data/copy_task)
   c.copy_width = 48            # tokens per copying sequence
   c.copy_batch_size = 64       # copying sequences per step

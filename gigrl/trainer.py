@@ -226,6 +226,7 @@ class Trainer:
     self.state = state_lib.TrainState(
         params=params, opt_state=self.steps.init_opt(self.steps.sft_tx, params),
         ref_params=None, adv_state=adv_state, step=0, pool=self.pool.state_dict())
+    self._initialized_from: str | None = None     # train.init_from, when it was used
 
   # ------------------------------------------------------------------ checkpoints
   def _config_json(self) -> dict[str, Any]:
@@ -252,6 +253,8 @@ class Trainer:
     config = self._config_json()
     out = self.ckpt.restore_latest(self._checkpointed(self.state), config)
     if out is None:
+      if self.cfg.train.init_from:
+        self._init_from(self.cfg.train.init_from)
       return
     state, meta = out
     changes = ckpt_lib.config_differences(meta.get("config") or {}, config)
@@ -263,6 +266,30 @@ class Trainer:
     state = state.replace(adv_state=build.local_copy(state.adv_state))
     self.state = state
     _log(f"resumed from checkpoint step {state.step} ({meta.get('phase')})")
+
+  def _init_from(self, value: str) -> None:
+    """``train.init_from``: a new run starts at step ``train.sft_steps`` with the params of
+    another run's checkpoint written at the end of its SFT (e.g. one warm-start shared by the
+    RL runs of several estimators, ``gigrl-sweep --warm_start``). The RL optimizer, reference
+    policy, pool and advantage state start fresh, as after this run's own SFT.
+
+    Raises:
+      ConfigError: naming ``train.init_from`` when ``@step`` is not an integer or the
+        checkpoint is not at step ``train.sft_steps``.
+      CheckpointError / StateMismatchError: no such checkpoint, or other model params.
+    """
+    path, _, at = value.rpartition("@") if "@" in value else (value, "", "")
+    if at and not at.isdigit():
+      raise ConfigError("train.init_from", value, "'<workdir>' or '<workdir>@<step>'")
+    params, meta = ckpt_lib.restore_params(path, int(at) if at else None, self.state.params)
+    sft = int(self.cfg.train.sft_steps)
+    if int(meta["step"]) != sft:
+      raise ConfigError("train.init_from", value,
+                        f"a checkpoint at the end of SFT (step train.sft_steps = {sft}); "
+                        f"that one is at step {meta['step']} ({meta.get('phase')})")
+    self.state = self.state.replace(params=params, step=sft)
+    self._initialized_from = value
+    _log(f"initialised from {path} step {sft} (params only; RL starts here)")
 
   # ------------------------------------------------------------------ loop
   def run(self) -> None:
@@ -279,8 +306,8 @@ class Trainer:
       stopped = False
       with _StopSignals() as stop:
         demos = self._demonstrations() if start < sft_steps else None
-        if start == 0 and self._eval_due(0):       # no SFT: evaluate the initial policy
-          self._periodic_eval(0)
+        if (start == 0 or self._initialized_from) and self._eval_due(start):
+          self._periodic_eval(start)      # the initial policy: no SFT, or train.init_from's
         for step in range(start + 1, total + 1):
           if step <= sft_steps:
             record = self._sft_step(step, demos)

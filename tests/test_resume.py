@@ -182,3 +182,18 @@ def test_structure_change_is_refused_and_loses_nothing(tmp_path, reference, pref
   assert sorted(p for p in os.listdir(workdir / "checkpoints") if p.isdigit()) == ["2", "4"]
   _run(workdir)                                               # the old config continues
   assert _metrics(workdir) == reference
+
+
+def test_init_from_an_sft_run_continues_it_exactly(tmp_path, reference):
+  """``train.init_from``: RL from another run's end-of-SFT checkpoint equals the RL of one run
+  that did both (params restored exactly; optimizer, reference policy, pool and advantage
+  state start as they do after SFT). A checkpoint before the end of SFT is refused."""
+  sft = tmp_path / "sft"
+  _run(sft, "--config.train.num_steps=0")                  # steps 1..3, checkpoints 2, 3
+  assert [r["step"] for r in _metrics(sft)] == [1, 2, 3]
+  rl = tmp_path / "rl"
+  proc = _run(rl, f"--config.train.init_from={sft}@2", ok=False)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "train.init_from" in proc.stderr and "at step 2" in proc.stderr
+  _run(rl, f"--config.train.init_from={sft}")
+  assert _metrics(rl) == reference[3:]
