@@ -14,6 +14,12 @@ grid is ``gigrl-train --config <config> --workdir <workdir>/<setting>/seed_<s>
 --config.seed=<s> <--set ...> <the setting's overrides>``; its output goes to ``train.log`` in
 its folder. Runs go one after another, or ``--parallel N`` at a time (separate processes).
 
+``--warm_start``: the SFT warm-start is run once per seed (``<workdir>/warm_start/seed_<s>``,
+``train.num_steps=0`` and the ``--set`` overrides), and every setting's run of that seed starts RL
+from its params (``train.init_from``): the settings then differ in RL only, and the sweep costs
+one SFT per seed instead of one per run. Settings must then change RL fields only (estimator,
+pool rule, loss, learning rate); a run whose ``train.sft_steps`` differs is refused.
+
 Resumable: a run that finished is marked ``sweep_done.json`` and never rerun; rerunning the
 same command continues a killed run from its own workdir (``gigrl-train`` resumes from the
 latest checkpoint). ``--report_only`` rewrites the report from the finished runs.
@@ -124,7 +130,10 @@ def run_summary(run_dir: str) -> dict[str, Any]:
     (mean over RL steps), ``wall_s`` (all attempts), ``sft_steps``.
   """
   rows = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-  sft = max((r["step"] for r in rows if r.get("phase") == "sft"), default=0)
+  rl = [r["step"] for r in rows if r.get("phase") == "rl"]
+  # RL starts after the SFT steps (absent from the file of a train.init_from run)
+  sft = min(rl) - 1 if rl else max((r["step"] for r in rows if r.get("phase") == "sft"),
+                                   default=0)
   curve = sorted({r["step"] - sft: r["eval/em"] for r in rows
                   if r.get("phase") == "eval" and isinstance(r.get("eval/em"), (int, float))
                   }.items())
@@ -266,6 +275,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                  help="train.eval_every for every run (default: the config's)")
   p.add_argument("--parallel", type=int, default=1, help="runs at a time (processes)")
   p.add_argument("--threshold", type=float, default=0.3, help="EM for 'steps to threshold'")
+  p.add_argument("--warm_start", action="store_true",
+                 help="one SFT warm-start per seed, shared by every setting (train.init_from)")
   p.add_argument("--report_only", action="store_true", help="only rewrite the report")
   return p.parse_args(list(argv))
 
@@ -297,24 +308,40 @@ def main(argv: Sequence[str]) -> int:
   def log(msg):
     print(f"[{PROG}] {msg}", file=sys.stderr, flush=True)
 
+  def train_cmd(d, s, extra):
+    return [sys.executable, "-m", "gigrl.train", "--config", os.path.abspath(args.config),
+            "--workdir", os.path.abspath(d), f"--config.seed={s}", *common, *extra]
+
+  warm = {s: os.path.join(args.workdir, "warm_start", f"seed_{s}") for s in seeds}
   jobs = []
   for name, extra in settings.items():
     for s in seeds:
       d = os.path.join(args.workdir, name, f"seed_{s}")
       if os.path.exists(os.path.join(d, DONE)):
         continue
-      cmd = [sys.executable, "-m", "gigrl.train", "--config", os.path.abspath(args.config),
-             "--workdir", os.path.abspath(d), f"--config.seed={s}", *common, *extra]
-      jobs.append((cmd, d))
+      if args.warm_start:
+        extra = [*extra, f"--config.train.init_from={os.path.abspath(warm[s])}"]
+      jobs.append((train_cmd(d, s, extra), d))
   failed = 0
   if not args.report_only and jobs:
     log(f"{len(jobs)} runs to do ({len(settings) * len(seeds) - len(jobs)} already finished), "
         f"{args.parallel} at a time")
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-      failed = sum(rc != 0 for rc in pool.map(lambda j: _launch(j[0], j[1], log), jobs))
+      if args.warm_start:
+        todo = [(train_cmd(d, s, ["--config.train.num_steps=0"]), d) for s, d in warm.items()
+                if not os.path.exists(os.path.join(d, DONE))]
+        failed = sum(rc != 0 for rc in pool.map(lambda j: _launch(j[0], j[1], log), todo))
+        if failed:
+          jobs = []                  # no RL run without its warm start
+      failed += sum(rc != 0 for rc in pool.map(lambda j: _launch(j[0], j[1], log), jobs))
   summary = summarize(args.workdir, list(settings), seeds, args.threshold)
   table = markdown(summary, args.threshold, len(seeds))
   cmd_line = " ".join([PROG] + [a if " " not in a else repr(a) for a in argv])
+  if args.warm_start:
+    walls = [run_summary(d)["wall_s"] for d in warm.values()
+             if os.path.exists(os.path.join(d, DONE))]
+    table += (f"\nWall time excludes the SFT warm-start shared by every setting of a seed "
+              f"(`warm_start/seed_<s>`: {_f(mean_ci(walls)[0] / 60, '.1f')} min per seed).\n")
   with open(os.path.join(args.workdir, "sweep.md"), "w", encoding="utf-8") as f:
     f.write(f"Command: `{cmd_line}`\n\n{table}")
   with open(os.path.join(args.workdir, "sweep.json"), "w", encoding="utf-8") as f:

@@ -299,8 +299,9 @@ class Trainer:
     sft_steps, total = cfg.train.sft_steps, cfg.train.sft_steps + cfg.train.num_steps
     self._restore()
     start = self.state.step
-    # a fresh start (no checkpoint) drops every old line, a step-0 eval line included
-    self.out.truncate_metrics_after(start if start else -1)
+    # a fresh start (no checkpoint of its own, train.init_from or not) drops every old line,
+    # a start-of-run eval line included
+    self.out.truncate_metrics_after(start if start and not self._initialized_from else -1)
     bar = tqdm(total=total, initial=start, desc="gigrl", unit="step", dynamic_ncols=True)
     try:
       stopped = False

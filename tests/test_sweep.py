@@ -82,11 +82,12 @@ TINY = ["train.sft_steps=2", "train.num_steps=2", "data.max_train_questions=8",
 
 
 @pytest.mark.slow
-def test_tiny_grid_runs_reports_and_resumes(tmp_path, monkeypatch):
+def test_tiny_grid_with_warm_start_runs_reports_and_resumes(tmp_path, monkeypatch):
   monkeypatch.delenv("XLA_FLAGS", raising=False)         # one device: faster compiles
   wd = str(tmp_path / "sweep")
   argv = ["--config", os.path.join(ROOT, "configs/smoke.py"), "--workdir", wd,
           "--seeds", "0,1", "--parallel", "2", "--eval_every", "1", "--threshold", "0.5",
+          "--warm_start",
           "--setting", "grpo:advantage.outcome=grpo",
           "--setting", "drgrpo:advantage.outcome=drgrpo"]
   for o in TINY:
@@ -99,8 +100,12 @@ def test_tiny_grid_runs_reports_and_resumes(tmp_path, monkeypatch):
     for r in s["runs"].values():
       assert [x for x, _ in r["curve"]] == [0, 1, 2]         # start of RL, every step
     assert 0.0 <= s["final_em_mean"] <= 1.0 and s["wall_s_mean"] > 0
+    for r in (0, 1):                 # RL from the seed's shared warm start
+      log = open(os.path.join(wd, name, f"seed_{r}", "train.log")).read()
+      assert f"initialised from {os.path.join(wd, 'warm_start', f'seed_{r}')} step 2" in log
   md = open(os.path.join(wd, "sweep.md")).read()
   assert md.startswith("Command: `gigrl-sweep --config") and "| grpo | 2/2 |" in md
+  assert "SFT warm-start shared by every setting" in md
   assert os.path.getsize(os.path.join(wd, "sweep.png")) > 0
   # a killed run: its marker and last checkpoint gone; the rerun resumes only that run
   run = os.path.join(wd, "drgrpo", "seed_1")
@@ -111,7 +116,7 @@ def test_tiny_grid_runs_reports_and_resumes(tmp_path, monkeypatch):
   assert sweep.main(argv) == 0
   assert open(os.path.join(wd, "grpo", "seed_0", "train.log")).read() == before  # not rerun
   log = open(os.path.join(run, "train.log")).read()
-  assert log.count("$ ") == 2 and "resumed from checkpoint step 2" in log
+  assert log.count("$ ") == 2 and log.count("initialised from") == 2   # no checkpoint left
   strip = lambda t: [{k: v for k, v in json.loads(l).items() if not k.endswith("_s")}
                      for l in t.splitlines()]
   assert strip(open(os.path.join(run, "metrics.jsonl")).read()) == strip(metrics_before)
