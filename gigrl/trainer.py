@@ -13,6 +13,7 @@ CPU (see docs/architecture.md, "Resume").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -388,11 +389,14 @@ class Trainer:
     _log(f"SFT: {len(builders)} demonstrations")
     return traj_lib.collate(builders, self.settings.seq_len, self.tokenizer.pad_id)
 
+  @functools.cached_property
+  def _copy_ids(self) -> np.ndarray:
+    """The tokenizer's ordinary pieces (:func:`copy_task.ordinary_ids`), on first use."""
+    return copy_task.ordinary_ids(self.tokenizer)
+
   def _sft_step(self, step: int, demos: traj_lib.TrajectoryBatch) -> dict[str, Any]:
     t = self.cfg.train
     if step <= t.copy_steps:                  # synthetic copying sequences (data/copy_task)
-      if not hasattr(self, "_copy_ids"):
-        self._copy_ids = copy_task.ordinary_ids(self.tokenizer)
       tok, msk = copy_task.copy_batch(self._copy_ids, t.copy_batch_size, t.copy_width,
                                       self.cfg.seed, step)
       lengths = (tok > 0).sum(axis=1)
