@@ -321,19 +321,25 @@ def main(argv: Sequence[str]) -> int:
         continue
       if args.warm_start:
         extra = [*extra, f"--config.train.init_from={os.path.abspath(warm[s])}"]
-      jobs.append((train_cmd(d, s, extra), d))
+      jobs.append((train_cmd(d, s, extra), d, s))
   failed = 0
   if not args.report_only and jobs:
     log(f"{len(jobs)} runs to do ({len(settings) * len(seeds) - len(jobs)} already finished), "
         f"{args.parallel} at a time")
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-      if args.warm_start:
-        todo = [(train_cmd(d, s, ["--config.train.num_steps=0"]), d) for s, d in warm.items()
-                if not os.path.exists(os.path.join(d, DONE))]
-        failed = sum(rc != 0 for rc in pool.map(lambda j: _launch(j[0], j[1], log), todo))
-        if failed:
-          jobs = []                  # no RL run without its warm start
-      failed += sum(rc != 0 for rc in pool.map(lambda j: _launch(j[0], j[1], log), jobs))
+      # Warm starts are submitted first, so they take the workers first; a run waits only for
+      # its own seed's warm start (and is skipped, counted as failed, if that failed).
+      warm_rc = {s: pool.submit(_launch, train_cmd(d, s, ["--config.train.num_steps=0"]), d, log)
+                 for s, d in warm.items()
+                 if args.warm_start and not os.path.exists(os.path.join(d, DONE))}
+
+      def after_warm_start(cmd, d, s):
+        if s in warm_rc and warm_rc[s].result() != 0:
+          log(f"{os.path.relpath(d)}: skipped (its warm start failed)")
+          return 1
+        return _launch(cmd, d, log)
+      runs = [pool.submit(after_warm_start, cmd, d, s) for cmd, d, s in jobs]
+      failed = sum(f.result() != 0 for f in [*warm_rc.values(), *runs])
   summary = summarize(args.workdir, list(settings), seeds, args.threshold)
   table = markdown(summary, args.threshold, len(seeds))
   cmd_line = " ".join([PROG] + [a if " " not in a else repr(a) for a in argv])
