@@ -29,7 +29,8 @@ run's ``phase: "eval"`` lines in ``metrics.jsonl`` (``train.eval_every``, set wi
 ``--eval_every`` if the config has none):
 
 * final held-out EM: mean ± half-width of the 95% confidence interval over seeds (Student t,
-  n − 1 degrees of freedom), and the start-of-RL EM;
+  n − 1 degrees of freedom), the start-of-RL EM, and the change final − start (per seed, then
+  mean ± 95% CI: the paired comparison, since warm-starts differ between seeds);
 * AUC: the area under the EM-vs-RL-step curve divided by the RL steps (trapezoid rule; the
   curve's mean height, in EM units);
 * steps to ``--threshold``: the first RL step whose eval EM reaches it, mean over the seeds that
@@ -195,10 +196,14 @@ def summarize(workdir: str, settings: Sequence[str], seeds: Sequence[int],
     starts = [r["start_em"] for r in runs.values() if not math.isnan(r["start_em"])]
     reached = [t for t in (steps_to(r["curve"], threshold) for r in runs.values())
                if t is not None]
+    deltas = [r["final_em"] - r["start_em"] for r in runs.values()
+              if not math.isnan(r["final_em"]) and not math.isnan(r["start_em"])]
     m, ci = mean_ci(finals)
+    dm, dci = mean_ci(deltas)
     out[name] = {
         "seeds": sorted(runs), "final_em_mean": m, "final_em_ci95": ci,
-        "start_em_mean": mean_ci(starts)[0], "auc_mean": mean_ci([r["auc"] for r in
+        "start_em_mean": mean_ci(starts)[0], "delta_em_mean": dm, "delta_em_ci95": dci,
+        "auc_mean": mean_ci([r["auc"] for r in
                                                                   runs.values()])[0],
         "steps_to_threshold_mean": mean_ci(reached)[0], "reached": len(reached),
         "zero_variance_frac_mean": mean_ci([r["zero_variance_frac"] for r in runs.values()
@@ -213,7 +218,8 @@ def _f(x: float, fmt: str = ".3f") -> str:
 
 
 def markdown(summary: dict[str, Any], threshold: float, n_seeds: int) -> str:
-  head = ["setting", "seeds", "final EM (mean ± 95% CI)", "start EM", "AUC",
+  head = ["setting", "seeds", "final EM (mean ± 95% CI)", "start EM",
+          "final − start EM (mean ± 95% CI)", "AUC",
           f"steps to EM ≥ {threshold:g}", "zero_variance_frac", "wall time (min)"]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for name, s in summary.items():
@@ -223,6 +229,7 @@ def markdown(summary: dict[str, Any], threshold: float, n_seeds: int) -> str:
              if s["seeds"] else "-")
     lines.append("| " + " | ".join([
         name, f"{len(s['seeds'])}/{n_seeds}", final, _f(s["start_em_mean"]),
+        f"{_f(s['delta_em_mean'], '+.3f')} ± {_f(s['delta_em_ci95'])}" if s["seeds"] else "-",
         _f(s["auc_mean"]), steps, _f(s["zero_variance_frac_mean"]),
         _f(s["wall_s_mean"] / 60, ".1f")]) + " |")
   return "\n".join(lines) + "\n"

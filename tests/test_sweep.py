@@ -59,7 +59,9 @@ def test_summary_table_and_plot(tmp_path):
   assert a["wall_s_mean"] == 90 and a["start_em_mean"] == pytest.approx(0.1)
   assert s["b"]["seeds"] == [0] and s["b"]["reached"] == 0
   table = sweep.markdown(s, 0.3, 2)
-  assert "| a | 2/2 | 0.400 ± 1.271 | 0.100 | 0.225 | 3.0 (2/2) | 0.250 | 1.5 |" in table
+  assert a["delta_em_mean"] == pytest.approx(0.3)           # seeds: +0.4, +0.2
+  assert ("| a | 2/2 | 0.400 ± 1.271 | 0.100 | +0.300 ± 1.271 | 0.225 | 3.0 (2/2) | 0.250 | 1.5 |"
+          in table)
   assert "| b | 1/2 | 0.000 ± - |" in table
   assert sweep.plot(s, str(tmp_path / "p.png")) and os.path.getsize(tmp_path / "p.png") > 0
 
