@@ -37,7 +37,8 @@ run's ``phase: "eval"`` lines in ``metrics.jsonl`` (``train.eval_every``, set wi
   reach it (and how many did);
 * mean ``zero_variance_frac`` over RL steps and seeds; wall time per run (all attempts).
 
-The plot draws each setting's mean eval EM against RL steps with its 95% band.
+The plot draws each setting's mean eval EM against RL steps with its 95% band, and beside it
+the mean change from each run's start of RL (the paired view).
 A run that fails is reported (with its log) and makes the exit status 1.
 """
 from __future__ import annotations
@@ -236,32 +237,40 @@ def markdown(summary: dict[str, Any], threshold: float, n_seeds: int) -> str:
 
 
 def plot(summary: dict[str, Any], path: str) -> str | None:
-  """Mean eval EM vs RL step per setting with its 95% band (seeds' curves on their common
-  eval steps)."""
+  """Two panels per setting, on the seeds' common eval steps, with 95% bands: the mean eval EM
+  against RL steps, and the mean change from each run's own start of RL (the paired view,
+  which seed-to-seed differences in the warm-start do not widen)."""
   # A bare Figure (no pyplot): never switches the caller's matplotlib backend.
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
-  fig = Figure(figsize=(7, 4))
-  ax = fig.subplots()
+  fig = Figure(figsize=(11, 4))
+  ax_em, ax_delta = fig.subplots(1, 2)
   drawn = False
   for name, s in summary.items():
     curves = [dict(r["curve"]) for r in s["runs"].values() if r["curve"]]
     if not curves:
       continue
     xs = sorted(set.intersection(*(set(c) for c in curves)))
-    stats = [mean_ci([c[x] for c in curves]) for x in xs]
-    mean = [m for m, _ in stats]
-    half = [0.0 if math.isnan(h) else h for _, h in stats]
-    line, = ax.plot(xs, mean, marker="o", ms=3, label=f"{name} (n={len(curves)})")
-    ax.fill_between(xs, [m - h for m, h in zip(mean, half)], [m + h for m, h in zip(mean, half)],
-                    color=line.get_color(), alpha=0.2, lw=0)
+    for ax, shift in ((ax_em, False), (ax_delta, True)):
+      stats = [mean_ci([c[x] - (c[xs[0]] if shift else 0.0) for c in curves]) for x in xs]
+      mean = [m for m, _ in stats]
+      half = [0.0 if math.isnan(h) else h for _, h in stats]
+      line, = ax.plot(xs, mean, marker="o", ms=3, label=f"{name} (n={len(curves)})")
+      ax.fill_between(xs, [m - h for m, h in zip(mean, half)],
+                      [m + h for m, h in zip(mean, half)], color=line.get_color(), alpha=0.15,
+                      lw=0)
     drawn = True
   if not drawn:
     return None
-  ax.set_xlabel("RL step")
-  ax.set_ylabel("held-out EM (greedy)")
-  ax.set_title("held-out EM: mean over seeds, 95% CI band", fontsize=10)
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
+  for ax, label, title in (
+      (ax_em, "held-out EM (greedy)", "held-out EM: mean over seeds, 95% CI band"),
+      (ax_delta, "held-out EM − its start-of-RL value",
+       "change from the start of RL: mean over seeds, 95% CI band")):
+    ax.set_xlabel("RL step")
+    ax.set_ylabel(label)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+  ax_delta.axhline(0.0, color="k", lw=0.8)
+  ax_em.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   return path
