@@ -335,9 +335,9 @@ def main(argv: Sequence[str]) -> int:
       d = os.path.join(args.workdir, name, f"seed_{s}")
       if os.path.exists(os.path.join(d, DONE)):
         continue
-      if args.warm_start:
-        extra = [*extra, f"--config.train.init_from={os.path.abspath(warm[s])}"]
-      jobs.append((train_cmd(d, s, extra), d, s))
+      init = ([f"--config.train.init_from={os.path.abspath(warm[s])}"] if args.warm_start
+              else [])
+      jobs.append((train_cmd(d, s, [*extra, *init]), d, s))
   failed = 0
   if not args.report_only and jobs:
     log(f"{len(jobs)} runs to do ({len(settings) * len(seeds) - len(jobs)} already finished), "

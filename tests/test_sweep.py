@@ -105,6 +105,7 @@ def test_tiny_grid_with_warm_start_runs_reports_and_resumes(tmp_path, monkeypatc
     for r in (0, 1):                 # RL from the seed's shared warm start
       log = open(os.path.join(wd, name, f"seed_{r}", "train.log")).read()
       assert f"initialised from {os.path.join(wd, 'warm_start', f'seed_{r}')} step 2" in log
+      assert log.splitlines()[0].count("--config.train.init_from=") == 1
   md = open(os.path.join(wd, "sweep.md")).read()
   assert md.startswith("Command: `gigrl-sweep --config") and "| grpo | 2/2 |" in md
   assert "SFT warm-start shared by every setting" in md
