@@ -383,7 +383,8 @@ class Trainer:
     qs = self.data.train[:t.sft_questions] if t.sft_questions else self.data.train
     builders = demos_lib.build_demonstrations(
         qs, self.tokenizer, self.retriever, self.settings,
-        only_answer_in_obs=t.sft_only_answer_in_obs)
+        only_answer_in_obs=t.sft_only_answer_in_obs, counterfactuals=t.sft_counterfactuals,
+        seed=self.cfg.seed)
     if not builders:
       raise ValueError("no SFT demonstrations (train.sft_only_answer_in_obs filtered all)")
     _log(f"SFT: {len(builders)} demonstrations")

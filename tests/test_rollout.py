@@ -301,3 +301,49 @@ def test_every_retriever_has_the_step_hooks():
   fake.search(["a", "b"], 1)
   fake.new_step()
   assert fake.metrics() == {"queries": 2.0, "requests": 1.0, "new_steps": 1.0}
+
+
+class FactRetriever(FakeRetriever):
+  """One passage per query that states the fact a test question asks for."""
+
+  FACTS = {"Name the capital of Peru": '"Peru"\nThe capital of Peru is Lima. Lima is big.',
+           "How many people live in Chad": '"Chad"\nChad has a population of 17,414 people.',
+           "Which city is the capital of Djibouti": '"Djibouti"\nThe capital is Djibouti.'}
+
+  def search(self, queries, topk):
+    super().search(queries, topk)
+    return [[search_base.Passage(q, self.FACTS.get(q, f'"T"\nabout {q}'), 1.0)] for q in queries]
+
+
+def test_counterfactual_demonstrations_swap_the_answer_in_observation_and_answer(tok):
+  qs = [qa.Question("a", "Name the capital of Peru", ("Lima",), "t"),
+        qa.Question("b", "How many people live in Chad", ("17,414",), "t"),
+        qa.Question("c", "Which city is the capital of Djibouti", ("Djibouti",), "t"),
+        qa.Question("d", "Who wrote Walls and Bridges", ("John Lennon",), "t"),
+        qa.Question("e", "How many people live in Fiji", ("926,276",), "t"),
+        qa.Question("f", "Name the capital of Chile", ("Santiago",), "t")]
+  settings = dataclasses.replace(SETTINGS, topk_docs=1)
+  plain = demos.build_demonstrations(qs, tok, FactRetriever(), settings)
+  built = demos.build_demonstrations(qs, tok, FactRetriever(), settings, counterfactuals=2,
+                                     seed=3)
+  # Peru: 2 swaps; Chad: 1 (the only other number); the 4 others are kept as they are.
+  assert len(plain) == 6 and len(built) == 2 + 1 + 4
+  again = demos.build_demonstrations(qs, tok, FactRetriever(), settings, counterfactuals=2,
+                                     seed=3)
+  assert [d.tokens for d in again] == [d.tokens for d in built]          # deterministic
+  by_answer = {}
+  for d in built:
+    answer = protocol.parse_action(d.generated_text[-1])[1]
+    by_answer.setdefault(d.generated_text[0], []).append((answer, tok.decode(d.tokens)))
+  peru = by_answer[next(k for k in by_answer if "Peru" in k)]
+  assert len(peru) == 2 and {a for a, _ in peru} <= {"Djibouti", "John Lennon", "Santiago"}
+  for answer, text in peru:                      # swapped everywhere, the old answer nowhere
+    assert f"The capital of Peru is {answer}. {answer} is big." in text
+    assert "Lima" not in text
+  chad = by_answer[next(k for k in by_answer if "Chad" in k)]
+  assert [a for a, _ in chad] == ["926,276"]     # a number only for a number; one candidate
+  assert "a population of 926,276 people" in chad[0][1]
+  # The answer is in the question (Djibouti) or not in the passage (Walls and Bridges): kept.
+  for key in ("Djibouti", "Walls"):
+    (only,) = by_answer[next(k for k in by_answer if key in k)]
+    assert only[0] == {"Djibouti": "Djibouti", "Walls": "John Lennon"}[key]

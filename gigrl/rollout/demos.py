@@ -8,7 +8,10 @@ exactly as a rollout builds them.
 """
 from __future__ import annotations
 
+import re
 from typing import Sequence
+
+import numpy as np
 
 from gigrl import tags
 from gigrl.data.qa import Question, normalize_answer
@@ -27,7 +30,8 @@ def answer_in_text(answers: Sequence[str], text: str) -> bool:
 
 def build_demonstrations(questions: Sequence[Question], tokenizer, retriever,
                          settings: turns.RolloutSettings, *,
-                         only_answer_in_obs: bool = False) -> list[traj_lib.TrajectoryBuilder]:
+                         only_answer_in_obs: bool = False, counterfactuals: int = 0,
+                         seed: int = 0) -> list[traj_lib.TrajectoryBuilder]:
   """One demonstration per question: search (once per hop query), then answer.
 
   Args:
@@ -38,8 +42,16 @@ def build_demonstrations(questions: Sequence[Question], tokenizer, retriever,
     settings: rollout settings (prompt/observation lengths must match the rollout).
     only_answer_in_obs: keep only questions whose gold answer appears in the last
       observation's text.
+    counterfactuals: n > 0 replaces each demonstration whose gold answer occurs in its last
+      observation (and not in its question) by n counterfactual ones
+      (:func:`counterfactual_answers`): the answer is swapped for another demonstrated
+      question's answer, in the observation and in the answer turn alike. No training fact is
+      then a target; only copying from the observation predicts the answer (entity
+      substitution, Longpre et al. 2021, "Entity-Based Knowledge Conflicts in Question
+      Answering"). Demonstrations it cannot swap are kept as they are.
+    seed: the substitutes are a pure function of (seed, question index, variant).
   Returns:
-    Builders (maybe fewer than ``questions`` if filtered).
+    Builders (maybe fewer than ``questions`` if filtered, more with ``counterfactuals``).
   Raises:
     ValueError: a question has more hop queries than ``settings.max_turns`` allows searches.
   """
@@ -52,26 +64,73 @@ def build_demonstrations(questions: Sequence[Question], tokenizer, retriever,
                                  settings.max_prompt_tokens)
   flat = [x for qs in queries for x in qs]
   results = iter(retriever.search(flat, settings.topk_docs))
+  pool = sorted({q.golden_answers[0] for q in questions}) if counterfactuals else []
   demos = []
-  for q, prompt, qs in zip(questions, prompts, queries):
-    observations = [traj_lib.observation_ids(tokenizer, [p.contents for p in next(results)],
-                                             settings.max_obs_tokens) for _ in qs]
+  for i, (q, prompt, qs) in enumerate(zip(questions, prompts, queries)):
+    contents = [[p.contents for p in next(results)] for _ in qs]
+    observations = [traj_lib.observation_ids(tokenizer, c, settings.max_obs_tokens)
+                    for c in contents]
     if only_answer_in_obs and not answer_in_text(q.golden_answers,
                                                  tokenizer.decode(observations[-1][0])):
       continue
-    tb = traj_lib.TrajectoryBuilder()
-    tb.add_prompt(prompt, anchor=q.question)
-    for query, (obs_ids, anchor) in zip(qs, observations):
-      search = _capped(tokenizer, SEARCH_TURN.format(query=query), tags.SEARCH_END, settings)
-      tb.add_generation(search, tokenizer.decode(search))
-      tb.search_calls += 1
-      tb.add_observation(obs_ids, anchor=anchor)
-    answer = _capped(tokenizer, ANSWER_TURN.format(answer=q.golden_answers[0]), tags.ANSWER_END,
-                     settings)
-    tb.add_generation(answer, tokenizer.decode(answer))
-    tb.answer_turn = len(qs)
-    demos.append(tb)
+    variants = []
+    for sub in counterfactual_answers(q, contents[-1], pool, counterfactuals, seed, i):
+      last = [_swap(c, q.golden_answers[0], sub) for c in contents[-1]]
+      obs = traj_lib.observation_ids(tokenizer, last, settings.max_obs_tokens)
+      if answer_in_text([sub], tokenizer.decode(obs[0])):    # not cut off by max_obs_tokens
+        variants.append((observations[:-1] + [obs], sub))
+    for obs_list, answer in variants or [(observations, q.golden_answers[0])]:
+      demos.append(_demonstration(tokenizer, settings, q, prompt, qs, obs_list, answer))
   return demos
+
+
+_NUMBER = re.compile(r"[\d.,\s]+")
+
+
+def counterfactual_answers(q: Question, last_contents: Sequence[str], pool: Sequence[str],
+                           n: int, seed: int, index: int) -> list[str]:
+  """Up to ``n`` distinct substitutes for ``q``'s first gold answer, drawn from ``pool``.
+
+  A substitute has the answer's kind (a number such as "385,640" for a number, a name
+  otherwise). None when ``n`` is 0, the answer does not occur (word-bounded, case-sensitive) in
+  ``last_contents``, or it occurs in the question (swapping it would contradict the prompt).
+  """
+  answer = q.golden_answers[0]
+  if (n <= 0 or not any(_pattern(answer).search(c) for c in last_contents)
+      or answer_in_text([answer], q.question)):
+    return []
+  numeric = bool(_NUMBER.fullmatch(answer))
+  cands = [a for a in pool if a != answer and bool(_NUMBER.fullmatch(a)) == numeric
+           and normalize_answer(a)]
+  if not cands:
+    return []
+  rng = np.random.default_rng([int(seed), int(index), 0xCF])
+  pick = rng.choice(len(cands), size=min(n, len(cands)), replace=False)
+  return [cands[int(j)] for j in pick]
+
+
+def _pattern(answer: str) -> re.Pattern:
+  return re.compile(rf"(?<!\w){re.escape(answer)}(?!\w)")
+
+
+def _swap(text: str, answer: str, sub: str) -> str:
+  """``text`` with every word-bounded occurrence of ``answer`` replaced by ``sub``."""
+  return _pattern(answer).sub(lambda _: sub, text)
+
+
+def _demonstration(tokenizer, settings, q: Question, prompt, qs, observations, answer: str
+                   ) -> traj_lib.TrajectoryBuilder:
+  tb = traj_lib.TrajectoryBuilder()
+  tb.add_prompt(prompt, anchor=q.question)
+  for query, (obs_ids, anchor) in zip(qs, observations):
+    search = _capped(tokenizer, SEARCH_TURN.format(query=query), tags.SEARCH_END, settings)
+    tb.add_generation(search, tokenizer.decode(search))
+    tb.search_calls += 1
+    tb.add_observation(obs_ids, anchor=anchor)
+  ids = _capped(tokenizer, ANSWER_TURN.format(answer=answer), tags.ANSWER_END, settings)
+  tb.add_generation(ids, tokenizer.decode(ids))
+  tb.answer_turn = len(qs)
+  return tb
 
 
 def _capped(tokenizer, text: str, end_tag: str, settings: turns.RolloutSettings) -> list[int]:
