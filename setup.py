@@ -25,7 +25,9 @@ CORE = [
     "importlib_resources>=6.0",  # tfds builders need it (no TensorFlow)
 ]
 # nbclient + ipykernel: tests/test_notebooks.py runs each notebook through a real kernel.
-TEST = ["pytest>=8", "hypothesis>=6.100", "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"]
+# pytest-xdist: the suite runs one worker per core (pytest.ini: -n auto --dist loadfile).
+TEST = ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "nbclient>=0.10",
+        "nbformat>=5.10", "ipykernel>=6.29"]
 HF = ["torch==2.13.0", "transformers>=4.50"]
 
 setuptools.setup(
