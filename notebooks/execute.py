@@ -29,7 +29,9 @@ def execute(name: str, timeout: int = 3600) -> None:
   nb = nbformat.read(path, as_version=4)
   t0 = time.time()
   try:
-    NotebookClient(nb, timeout=timeout, kernel_name="python3",
+    # coalesce_streams: a cell's stdout/stderr pieces are merged and \r-overwritten as Jupyter
+    # shows them, so a progress bar is saved as its final line, not one output per update.
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", coalesce_streams=True,
                    resources={"metadata": {"path": NB_DIR}}).execute()
   finally:
     nbformat.write(nb, path)
