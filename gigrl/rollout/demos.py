@@ -9,7 +9,7 @@ exactly as a rollout builds them.
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -64,7 +64,7 @@ def build_demonstrations(questions: Sequence[Question], tokenizer, retriever,
                                  settings.max_prompt_tokens)
   flat = [x for qs in queries for x in qs]
   results = iter(retriever.search(flat, settings.topk_docs))
-  pool = sorted({q.golden_answers[0] for q in questions}) if counterfactuals else []
+  pools = substitute_pools(q.golden_answers[0] for q in questions) if counterfactuals else {}
   demos = []
   for i, (q, prompt, qs) in enumerate(zip(questions, prompts, queries)):
     contents = [[p.contents for p in next(results)] for _ in qs]
@@ -74,7 +74,7 @@ def build_demonstrations(questions: Sequence[Question], tokenizer, retriever,
                                                  tokenizer.decode(observations[-1][0])):
       continue
     variants = []
-    for sub in counterfactual_answers(q, contents[-1], pool, counterfactuals, seed, i):
+    for sub in counterfactual_answers(q, contents[-1], pools, counterfactuals, seed, i):
       last = [_swap(c, q.golden_answers[0], sub) for c in contents[-1]]
       obs = traj_lib.observation_ids(tokenizer, last, settings.max_obs_tokens)
       if answer_in_text([sub], tokenizer.decode(obs[0])):    # not cut off by max_obs_tokens
@@ -87,21 +87,39 @@ def build_demonstrations(questions: Sequence[Question], tokenizer, retriever,
 _NUMBER = re.compile(r"[\d.,\s]+")
 
 
-def counterfactual_answers(q: Question, last_contents: Sequence[str], pool: Sequence[str],
-                           n: int, seed: int, index: int) -> list[str]:
-  """Up to ``n`` distinct substitutes for ``q``'s first gold answer, drawn from ``pool``.
+def substitute_pools(answers: Iterable[str]) -> dict[bool, list[str]]:
+  """The distinct non-empty answers, sorted, split by kind: ``{True: numbers, False: names}``
+  (a number such as "385,640" is digits, commas, dots and spaces). Built once per demonstration
+  set; :func:`counterfactual_answers` draws from it."""
+  pools: dict[bool, list[str]] = {True: [], False: []}
+  for a in sorted(set(answers)):
+    if normalize_answer(a):
+      pools[bool(_NUMBER.fullmatch(a))].append(a)
+  return pools
 
-  A substitute has the answer's kind (a number such as "385,640" for a number, a name
-  otherwise). None when ``n`` is 0, the answer does not occur (word-bounded, case-sensitive) in
-  ``last_contents``, or it occurs in the question (swapping it would contradict the prompt).
+
+def counterfactual_answers(q: Question, last_contents: Sequence[str],
+                           pools: Mapping[bool, Sequence[str]], n: int, seed: int, index: int
+                           ) -> list[str]:
+  """Up to ``n`` distinct substitutes for ``q``'s first gold answer (entity substitution,
+  Longpre et al. 2021).
+
+  Args:
+    q: the demonstrated question.
+    last_contents: the passages (text) of its last observation.
+    pools: :func:`substitute_pools` of the demonstrated answers; a substitute has the answer's
+      kind (a number for a number, a name otherwise) and differs from it.
+    n: substitutes wanted; seed, index: the draw is a pure function of (seed, index).
+  Returns:
+    The substitutes, without repeats; empty when ``n`` is 0, the answer does not occur
+    (word-bounded, case-sensitive) in ``last_contents``, it occurs in the question (swapping it
+    would contradict the prompt), or no other answer of its kind exists.
   """
   answer = q.golden_answers[0]
   if (n <= 0 or not any(_pattern(answer).search(c) for c in last_contents)
       or answer_in_text([answer], q.question)):
     return []
-  numeric = bool(_NUMBER.fullmatch(answer))
-  cands = [a for a in pool if a != answer and bool(_NUMBER.fullmatch(a)) == numeric
-           and normalize_answer(a)]
+  cands = [a for a in pools.get(bool(_NUMBER.fullmatch(answer)), ()) if a != answer]
   if not cands:
     return []
   rng = np.random.default_rng([int(seed), int(index), 0xCF])
