@@ -152,3 +152,37 @@ def write_bpe_tokenizer(directory: str, vocab_size: int = 1024,
     json.dump({"eos_token_id": [tok.token_to_id("<|im_end|>"),
                                 tok.token_to_id("<|endoftext|>")]}, f)
   return directory
+
+
+def cache_compiles_on_every_process() -> bool:
+  """Lets every process of a multi-process CPU test write its own persistent-cache entries.
+
+  jax (0.10) writes persistent compilation-cache entries from process 0 only, and on CPU a
+  program's cache key includes the process's own topology fingerprint, so the other processes
+  never hit the cache: they recompile every program at every launch (process 0 then waits for
+  them at the first collective). The multi-process end-to-end tests relaunch the same programs
+  several times (reference, SIGTERM, kill -9, resume); with this, each process's entries are
+  written under its own keys and later launches load them. Test speed only: a loaded executable
+  is the one XLA compiled. Returns False (changes nothing) if jax's internals moved.
+  """
+  try:
+    from jax._src import compilation_cache  # pylint: disable=import-outside-toplevel
+    from jax._src import compiler  # pylint: disable=import-outside-toplevel
+    original = compiler._cache_write  # pylint: disable=protected-access
+  except (ImportError, AttributeError):
+    return False
+  import jax  # pylint: disable=import-outside-toplevel
+
+  def write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+    if jax.process_index() == 0 or host_callbacks:
+      return original(cache_key, compile_time_secs, module_name, backend, executable,
+                      host_callbacks)
+    try:
+      compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
+                                                int(compile_time_secs))
+    except Exception:  # pylint: disable=broad-except
+      pass              # a cache write is an optimisation; jax itself only warns
+    return None
+
+  compiler._cache_write = write  # pylint: disable=protected-access
+  return True

@@ -1,7 +1,8 @@
 """gigrl-train on 2 processes x 2 CPU devices (gloo collectives) against 1 process x 4 devices.
 
 The smoke config, shrunk (2 SFT + 4 RL steps, 4 prompts x 2 rollouts, ``data.pool.rule=grpo``),
-runs on both rollout engines. Checked:
+runs on both rollout engines; the callback-engine run also turns on GiGPO with similarity anchors
+(each host groups the anchor observations of the trained groups it holds). Checked:
 
 * the metrics of every step equal, to 1e-6, those of a 1-process x 4-device run with the same
   global batch (wall-time keys excluded; ``rollout/retriever_calls`` counts batched retriever
@@ -50,7 +51,9 @@ TIMEOUT_S = 1500
 def worker(log: str, argv: list[str]) -> None:
   """One gigrl-train process whose RunOutputs writes are logged to ``log``."""
   from gigrl import metrics as metrics_lib  # pylint: disable=import-outside-toplevel
+  from gigrl import testing  # pylint: disable=import-outside-toplevel
   from gigrl import train  # pylint: disable=import-outside-toplevel
+  testing.cache_compiles_on_every_process()    # the relaunches load process 1's programs too
   sig = os.environ.get("GIGRL_TEST_SIGNAL", "")
 
   def counted(name, fn):
@@ -80,8 +83,13 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+# The callback-engine runs: GiGPO step advantages over similarity anchor groups as well.
+GIGPO = ["--config.advantage.step=gigpo", "--config.advantage.gigpo.grouping=similarity"]
+
+
 def _launch(workdir, nproc: int, engine: str, *, signal_at: str = "",
-            kill_rest_after_s: float | None = None) -> list[tuple[int, str]]:
+            kill_rest_after_s: float | None = None,
+            extra: tuple[str, ...] = ()) -> list[tuple[int, str]]:
   """Runs gigrl-train on ``nproc`` processes (4 CPU devices in all); returns (rc, log) each."""
   os.makedirs(workdir, exist_ok=True)
   port = _free_port()
@@ -96,7 +104,7 @@ def _launch(workdir, nproc: int, engine: str, *, signal_at: str = "",
     procs.append((subprocess.Popen(
         ["nice", "-n", "10", sys.executable, __file__, os.path.join(workdir, f"writes_p{i}.jsonl"),
          "--config", os.path.join(ROOT, "configs/smoke.py"), f"--workdir={workdir}",
-         f"--config.rollout.engine={engine}", *OVERRIDES],
+         f"--config.rollout.engine={engine}", *OVERRIDES, *extra],
         env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log))
   deadline = time.time() + TIMEOUT_S
   if kill_rest_after_s is not None:      # process 1 kills itself; then the rest go too
@@ -157,11 +165,16 @@ def _ok(results):
 @pytest.mark.parametrize("engine", ["host_loop", "callback"])
 def test_two_processes_match_one(tmp_path, engine):
   ref_dir, dir2 = str(tmp_path / "ref"), str(tmp_path / "two")
-  _ok(_launch(ref_dir, 1, engine))
+  extra = tuple(GIGPO) if engine == "callback" else ()
+  _ok(_launch(ref_dir, 1, engine, extra=extra))
   ref = _metrics(ref_dir)
   assert any(r["phase"] == "rl" and r["reward_mean"] is not None for r in ref)
   if engine == "callback":
-    _ok(_launch(dir2, 2, engine))
+    _ok(_launch(dir2, 2, engine, extra=extra))
+    # every step advantage of this tiny run is 0 (no reward, constant penalties), so the anchor
+    # ids are compared through gigpo/anchor_group_frac (step groups per valid step)
+    rl = [r for r in ref if r["phase"] == "rl"]
+    assert rl and all(0 < r["gigpo/anchor_group_frac"] < 1 for r in rl), rl
   else:
     # SIGTERM to process 1 only, after step 3: both checkpoint step 3 (the agreement) and exit 0.
     res = _launch(dir2, 2, engine, signal_at="SIGTERM@3")

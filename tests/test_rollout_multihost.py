@@ -46,6 +46,7 @@ def worker(out: str, nproc: int, proc_id: int, port: int, url: str) -> None:
                                process_id=proc_id)
   import numpy as np  # pylint: disable=import-outside-toplevel
   from gigrl import testing  # pylint: disable=import-outside-toplevel
+  testing.cache_compiles_on_every_process()
   from gigrl.data import qa  # pylint: disable=import-outside-toplevel
   from gigrl.data import tokenizer as tok_lib  # pylint: disable=import-outside-toplevel
   from gigrl.models import sharding as sharding_lib  # pylint: disable=import-outside-toplevel
