@@ -24,5 +24,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _cache_dir = tempfile.mkdtemp(prefix="gigrl-test-jax-cache-")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
   atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+# gigrl's own caches (the BM25 index of the bundled corpus, built once per session instead of
+# once per gigrl-train run): a fresh directory too, so ~/.cache is never touched by the tests.
+if "GIGRL_CACHE_DIR" not in os.environ:
+  _gigrl_cache = tempfile.mkdtemp(prefix="gigrl-test-cache-")
+  os.environ["GIGRL_CACHE_DIR"] = _gigrl_cache
+  atexit.register(shutil.rmtree, _gigrl_cache, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")

@@ -1,5 +1,6 @@
 """In-process BM25 retriever, the retriever interface and the ``search`` config."""
 import json
+import os
 import threading
 import time
 
@@ -137,6 +138,43 @@ def test_from_corpus_file_and_bad_rows(tmp_path):
   bad = _write_corpus(tmp_path / "bad.jsonl", [{"id": "1", "text": "no contents"}])
   with pytest.raises(qa.DataError, match=r"bad.jsonl:1: field 'contents'"):
     bm25.BM25Retriever.from_corpus(bad)
+
+
+def test_index_cache_saves_then_loads_the_same_index(tmp_path, monkeypatch):
+  """A first build saves the index under a key of the text; a second build of the same corpus
+  loads it (indexing is not called) and ranks identically; other text or parameters get another
+  key; a broken entry is rebuilt; no cache dir means no files."""
+  cache = str(tmp_path / "cache")
+  first = bm25.BM25Retriever(TINY, cache_dir=cache)
+  assert not first.loaded_from_cache
+  (key,) = os.listdir(cache)
+  assert key == bm25.index_key([d.contents for d in TINY], 0.9, 0.4)
+
+  def no_indexing(*a, **k):
+    raise AssertionError("indexed again instead of loading the cache")
+
+  with monkeypatch.context() as m:
+    m.setattr(bm25.bm25s.BM25, "index", no_indexing)
+    second = bm25.BM25Retriever(TINY, cache_dir=cache)
+  assert second.loaded_from_cache
+  for q in ("capital", "zebras twin", "Berlin Italy", "nothing here"):
+    assert second.search([q], 5) == first.search([q], 5), q
+  other = TINY[:-1] + [qa.Document("e", '"Rome"\nRome is in Lazio.')]
+  assert bm25.index_key([d.contents for d in other], 0.9, 0.4) != key
+  assert bm25.index_key([d.contents for d in TINY], 1.2, 0.4) != key
+  # a broken entry (a missing array) is rebuilt and replaced
+  os.remove(os.path.join(cache, key, "data.csc.index.npy"))
+  third = bm25.BM25Retriever(TINY, cache_dir=cache)
+  assert not third.loaded_from_cache and third.search(["capital"], 5) == first.search(["capital"], 5)
+  assert bm25.BM25Retriever(TINY, cache_dir=cache).loaded_from_cache
+  assert os.listdir(cache) == [key]                  # no temporary directories left behind
+  before = set(os.listdir(tmp_path))
+  bm25.BM25Retriever(TINY)
+  assert set(os.listdir(tmp_path)) == before
+  assert bm25.resolve_cache_dir("") is None
+  monkeypatch.setenv("GIGRL_CACHE_DIR", str(tmp_path / "g"))
+  assert bm25.resolve_cache_dir("auto") == str(tmp_path / "g" / "bm25")
+  assert bm25.resolve_cache_dir("~/x") == os.path.expanduser("~/x")
 
 
 def test_empty_corpus_names_the_file(tmp_path):

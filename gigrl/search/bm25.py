@@ -9,10 +9,22 @@ Like Lucene, only passages sharing at least one term with the query are
 returned, so a query may get fewer than ``topk`` passages; an empty,
 whitespace-only or all-stopword query gets ``[]``. Ties are broken by corpus
 order (lower index first), so results are deterministic.
+
+Index cache: a built index is saved with ``bm25s``' own ``save`` under a key
+that hashes the passages' text, the BM25 parameters, the tokenisation and the
+``bm25s`` version, and later builds of the same corpus load it (``search.
+index_cache``; the bundled corpus: 1.3 s to build, 0.03 s to load). A cache
+entry is written to a temporary directory and renamed into place, so processes
+that build the same index at once (hosts sharing a disk, test workers) never
+read a half-written one; an entry that fails to load is rebuilt.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import shutil
+import tempfile
 import threading
 from typing import Sequence
 
@@ -25,6 +37,72 @@ from gigrl.search.base import BaseRetriever, Passage, check_topk
 _STOPWORDS = "en"
 # bm25s sets its logger to DEBUG, so "Building index from tokens" reaches the console.
 logging.getLogger("bm25s").setLevel(logging.WARNING)
+_log = logging.getLogger(__name__)
+# Bumped when the tokenisation or the saved layout changes (old entries are then never read).
+_INDEX_FORMAT = "gigrl-bm25-v1"
+
+
+def default_cache_dir() -> str:
+  """Where ``search.index_cache='auto'`` keeps indexes: ``$GIGRL_CACHE_DIR/bm25``, else
+  ``$XDG_CACHE_HOME/gigrl/bm25``, else ``~/.cache/gigrl/bm25``."""
+  root = os.environ.get("GIGRL_CACHE_DIR")
+  if not root:
+    root = os.path.join(os.environ.get("XDG_CACHE_HOME") or
+                        os.path.join(os.path.expanduser("~"), ".cache"), "gigrl")
+  return os.path.join(root, "bm25")
+
+
+def resolve_cache_dir(setting: str) -> str | None:
+  """``search.index_cache`` / ``--index_cache`` as a directory: 'auto' ->
+  :func:`default_cache_dir`, '' -> None (no cache), else the path (``~`` expanded)."""
+  if not setting:
+    return None
+  return default_cache_dir() if setting == "auto" else os.path.expanduser(setting)
+
+
+def index_key(contents: Sequence[str], k1: float, b: float) -> str:
+  """Cache key of an index: sha256 of the passages' text (in order, length-prefixed), the BM25
+  parameters, the stopword list name, the ``bm25s`` version and the index format. Hashing is
+  ~0.3 GB/s (20 ms for the bundled corpus), far below the cost of indexing."""
+  h = hashlib.sha256(f"{_INDEX_FORMAT}|{bm25s.__version__}|{_STOPWORDS}|{k1!r}|{b!r}|"
+                     f"{len(contents)}".encode())
+  for text in contents:
+    data = text.encode("utf-8", "surrogatepass")
+    h.update(len(data).to_bytes(8, "little"))
+    h.update(data)
+  return h.hexdigest()[:32]
+
+
+def _load_index(path: str, num_docs: int) -> "bm25s.BM25 | None":
+  """The saved index at ``path``, or None if absent or unreadable (then it is rebuilt)."""
+  if not os.path.isdir(path):
+    return None
+  try:
+    index = bm25s.BM25.load(path, show_progress=False)
+    if int(index.scores["num_docs"]) != num_docs:
+      raise ValueError(f"{index.scores['num_docs']} documents, expected {num_docs}")
+    return index
+  except Exception as e:  # pylint: disable=broad-except
+    _log.warning("BM25 index cache %s unreadable (%s); rebuilding it", path, e)
+    shutil.rmtree(path, ignore_errors=True)      # so the rebuilt index can take its place
+    return None
+
+
+def _save_index(index: "bm25s.BM25", path: str) -> None:
+  """Saves to a temporary sibling, then renames it to ``path`` (atomic; a concurrent writer
+  of the same key wins and this copy is dropped). A cache that cannot be written is skipped."""
+  parent = os.path.dirname(path)
+  try:
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp", dir=parent)
+  except OSError as e:
+    _log.warning("BM25 index cache %s not writable (%s); not caching", parent, e)
+    return
+  try:
+    index.save(tmp, show_progress=False)
+    os.rename(tmp, path)
+  except OSError:         # another process renamed its copy first, or the disk is full
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def tokenize(texts: Sequence[str]) -> list[list[str]]:
@@ -53,16 +131,19 @@ def top_indices(scores: np.ndarray, k: int) -> np.ndarray:
 class BM25Retriever(BaseRetriever):
   """BM25 over a list of :class:`gigrl.data.qa.Document`; thread-safe.
 
-  Build cost on the bundled corpus (11,560 passages): about 1 s on one CPU core.
+  Build cost on the bundled corpus (12,568 passages): about 1.3 s on one CPU core; 0.03 s when
+  the index is loaded from the cache.
   """
 
   def __init__(self, docs: Sequence[qa.Document], *, k1: float = 0.9,
-               b: float = 0.4):
-    """Builds the index.
+               b: float = 0.4, cache_dir: str | None = None):
+    """Builds the index, or loads it from ``cache_dir``.
 
     Args:
       docs: the corpus, e.g. ``qa.load_corpus(path)`` or ``qa.load_bundled_corpus()``.
       k1, b: BM25 parameters (defaults: pyserini's, used by Search-R1).
+      cache_dir: index cache directory (one subdirectory per :func:`index_key`), or None to
+        build without caching.
     Raises:
       ValueError: ``docs`` is empty.
     """
@@ -70,22 +151,33 @@ class BM25Retriever(BaseRetriever):
       raise ValueError("BM25Retriever needs a non-empty corpus")
     self._ids = [d.id for d in docs]
     self._contents = [d.contents for d in docs]
-    self._bm25 = bm25s.BM25(k1=k1, b=b, method="lucene")
-    self._bm25.index(tokenize(self._contents), show_progress=False)
+    path = (os.path.join(cache_dir, index_key(self._contents, k1, b))
+            if cache_dir else None)
+    index = _load_index(path, len(docs)) if path else None
+    self.loaded_from_cache = index is not None
+    if index is None:
+      index = bm25s.BM25(k1=k1, b=b, method="lucene")
+      index.index(tokenize(self._contents), show_progress=False)
+      if path:
+        _save_index(index, path)
+    self._bm25 = index
     self._vocab = self._bm25.vocab_dict
     self._lock = threading.Lock()
 
   @classmethod
-  def from_corpus(cls, corpus: str = "bundled") -> "BM25Retriever":
+  def from_corpus(cls, corpus: str = "bundled", *,
+                  cache_dir: str | None = None) -> "BM25Retriever":
     """Builds from ``'bundled'`` or a Search-R1 corpus jsonl path.
 
+    Args:
+      corpus: ``'bundled'`` or a path.
+      cache_dir: see :meth:`__init__` (``search.index_cache`` resolves to it).
     Raises:
       gigrl.data.qa.DataError: a malformed corpus row (file:line in the message).
       FileNotFoundError: the path does not exist.
     """
-    if corpus == "bundled":
-      return cls(qa.load_bundled_corpus())
-    return cls(qa.load_corpus(corpus))
+    docs = qa.load_bundled_corpus() if corpus == "bundled" else qa.load_corpus(corpus)
+    return cls(docs, cache_dir=cache_dir)
 
   @property
   def num_docs(self) -> int:

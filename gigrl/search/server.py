@@ -186,6 +186,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--host", default="127.0.0.1")
   p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
   p.add_argument("--topk", type=int, default=3, help="default topk per query")
+  p.add_argument("--index_cache", default="auto",
+                 help="BM25 index cache: 'auto' ($GIGRL_CACHE_DIR/bm25, else "
+                      "~/.cache/gigrl/bm25), a directory, or '' to build every time")
   args = p.parse_args(argv)
   if args.topk < 1:
     p.error("--topk must be >= 1")
@@ -203,9 +206,11 @@ def run(argv: list[str] | None = None) -> None:
   """
   from gigrl.data import qa  # pylint: disable=import-outside-toplevel
   from gigrl.search.bm25 import BM25Retriever  # pylint: disable=import-outside-toplevel
+  from gigrl.search.bm25 import resolve_cache_dir  # pylint: disable=import-outside-toplevel
   args = _parse_args(argv)
   try:
-    retriever = BM25Retriever.from_corpus(args.corpus)
+    retriever = BM25Retriever.from_corpus(args.corpus,
+                                          cache_dir=resolve_cache_dir(args.index_cache))
   except (qa.DataError, OSError, ValueError) as e:
     print(f"gigrl-serve-retriever: error: cannot load corpus: {e}", file=sys.stderr)
     sys.exit(2)
