@@ -8,6 +8,7 @@ runs the same kernel at CI size without saving.
 """
 from __future__ import annotations
 
+import glob
 import os
 import sys
 import time
@@ -38,6 +39,16 @@ def execute(name: str, timeout: int = 3600) -> None:
     print(f"{name}: {time.time() - t0:.0f} s", file=sys.stderr)
 
 
+def _cpu_only_without_a_tpu() -> None:
+  """On a host with no TPU device (/dev/accel*, /dev/vfio/N), run the kernels with
+  JAX_PLATFORMS=cpu: with the ``tpu`` extra installed, jax's TPU probe otherwise writes libtpu's
+  start-up errors into the saved outputs."""
+  if "JAX_PLATFORMS" not in os.environ and not (
+      glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")):
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
 if __name__ == "__main__":
+  _cpu_only_without_a_tpu()
   for n in sys.argv[1:] or sorted(f for f in os.listdir(NB_DIR) if f.endswith(".ipynb")):
     execute(os.path.basename(n))
