@@ -102,7 +102,7 @@ def _launch(workdir, nproc: int, engine: str, *, signal_at: str = "",
                  GIGRL_PROCESS_ID=str(i))
     log = open(os.path.join(workdir, f"log_p{i}.txt"), "w")
     procs.append((subprocess.Popen(
-        ["nice", "-n", "10", sys.executable, __file__, os.path.join(workdir, f"writes_p{i}.jsonl"),
+        [sys.executable, __file__, os.path.join(workdir, f"writes_p{i}.jsonl"),
          "--config", os.path.join(ROOT, "configs/smoke.py"), f"--workdir={workdir}",
          f"--config.rollout.engine={engine}", *OVERRIDES, *extra],
         env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log))
