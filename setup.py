@@ -26,7 +26,7 @@ CORE = [
 ]
 # nbclient + ipykernel: tests/test_notebooks.py runs each notebook through a real kernel.
 # pytest-xdist: the suite runs one worker per core (pytest.ini: -n auto --dist loadfile).
-TEST = ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "nbclient>=0.10",
+TEST = ["pytest>=8", "pytest-xdist>=3.7", "hypothesis>=6.100", "nbclient>=0.10",
         "nbformat>=5.10", "ipykernel>=6.29"]
 HF = ["torch==2.13.0", "transformers>=4.50"]
 

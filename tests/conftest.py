@@ -35,8 +35,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 # The slowest test files, longest first (seconds per file under xdist on 2 cores, 2026-11-23).
-# `--dist loadfile` hands files to the workers in collection order, so starting these first lets
-# the many short files fill the end instead of one long file running alone at the tail.
+# `--dist loadfile --no-loadscope-reorder` (pytest.ini) hands files to the workers in collection
+# order, so starting these first lets the many short files fill the end instead of one long file
+# running alone at the tail (xdist's default order is by test count, which put the 3-test
+# test_multihost.py last).
 SLOWEST_FIRST = (
     "test_multihost.py",        # 316 s: 2-process runs, SIGTERM, kill -9, resume
     "test_notebooks.py",        # 190 s: three notebooks through a kernel
