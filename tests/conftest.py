@@ -20,16 +20,19 @@ if _flag not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  _cache_dir = tempfile.mkdtemp(prefix="gigrl-test-jax-cache-")
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
-  atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+
+
+def _session_dir(var: str, prefix: str) -> None:
+  """Sets ``var`` (unless set) to a fresh directory removed at exit; subprocesses inherit it."""
+  if var not in os.environ:
+    os.environ[var] = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, os.environ[var], ignore_errors=True)
+
+
+_session_dir("JAX_COMPILATION_CACHE_DIR", "gigrl-test-jax-cache-")
 # gigrl's own caches (the BM25 index of the bundled corpus, built once per session instead of
 # once per gigrl-train run): a fresh directory too, so ~/.cache is never touched by the tests.
-if "GIGRL_CACHE_DIR" not in os.environ:
-  _gigrl_cache = tempfile.mkdtemp(prefix="gigrl-test-cache-")
-  os.environ["GIGRL_CACHE_DIR"] = _gigrl_cache
-  atexit.register(shutil.rmtree, _gigrl_cache, ignore_errors=True)
+_session_dir("GIGRL_CACHE_DIR", "gigrl-test-cache-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
