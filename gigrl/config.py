@@ -83,6 +83,8 @@ def train_config() -> ml_collections.ConfigDict:
   c.copy_batch_size = 64       # copying sequences per step
   c.sample_every = 5           # write readable trajectories every N RL steps
   c.eval_every = 0             # 0 = no periodic eval
+  c.sft_eval_every = 0         # also evaluate every N SFT steps (step 0 and the end of SFT
+                               # included): held-out EM during the warm-start; 0 = off
   c.eval_questions = 32
   return c
 
@@ -201,3 +203,4 @@ def _validate_train(cfg):
   check_range(cfg, "train.eval_questions", 0, integer=True)
   check_range(cfg, "train.sample_every", 1, integer=True)
   check_range(cfg, "train.eval_every", 0, integer=True)
+  check_range(cfg, "train.sft_eval_every", 0, integer=True)

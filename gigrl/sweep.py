@@ -138,7 +138,7 @@ def run_summary(run_dir: str) -> dict[str, Any]:
                                    default=0)
   curve = sorted({r["step"] - sft: r["eval/em"] for r in rows
                   if r.get("phase") == "eval" and isinstance(r.get("eval/em"), (int, float))
-                  }.items())
+                  and r["step"] >= sft}.items())     # not train.sft_eval_every's SFT lines
   zv = [r["zero_variance_frac"] for r in rows if r.get("phase") == "rl"
         and isinstance(r.get("zero_variance_frac"), (int, float))]
   if len(curve) > 1:

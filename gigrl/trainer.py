@@ -194,6 +194,28 @@ class _ProcessShare:
     return distributed.gather_owned(x, np.asarray(rows)[:, 0] // per)
 
 
+def eval_due(train: Any, step: int) -> bool:
+  """Whether the params after ``step`` updates are evaluated on held-out questions.
+
+  ``train.eval_every``: at the start of RL (the last SFT step, or step 0), every
+  ``eval_every`` RL steps after it, and at the last step. ``train.sft_eval_every``: also during
+  the warm-start, at step 0 (the initial policy), every ``sft_eval_every`` SFT steps and at the
+  end of SFT. Never when ``train.eval_questions`` is 0.
+
+  Args:
+    train: the config's ``train`` section.
+    step: updates done (SFT steps count from 1, RL steps follow ``train.sft_steps``).
+  """
+  if not train.eval_questions:
+    return False
+  sft_due = bool(train.sft_eval_every) and step <= train.sft_steps and (
+      step % train.sft_eval_every == 0 or step == train.sft_steps)
+  rl = step - train.sft_steps
+  rl_due = bool(train.eval_every) and rl >= 0 and (
+      rl % train.eval_every == 0 or rl == train.num_steps)
+  return sft_due or rl_due
+
+
 class Trainer:
   """One run: builds everything from the config, then :meth:`run` loops over the steps."""
 
@@ -527,13 +549,7 @@ class Trainer:
     return evaluate_lib.select(self.data.eval, self.cfg.train.eval_questions)
 
   def _eval_due(self, step: int) -> bool:
-    """``train.eval_every``: the params after ``step`` are evaluated at the start of RL (the
-    last SFT step, or step 0), every ``eval_every`` RL steps after it, and at the last step."""
-    t = self.cfg.train
-    if not (t.eval_every and t.eval_questions and self.data.eval):
-      return False
-    rl = step - t.sft_steps
-    return rl >= 0 and (rl % t.eval_every == 0 or rl == t.num_steps)
+    return eval_due(self.cfg.train, step) and bool(self.data.eval)
 
   def _evaluate(self, step: int):
     """Greedy rollouts of the current params on :meth:`_eval_questions` (cached per step)."""

@@ -123,6 +123,26 @@ def test_select_spreads_over_the_list():
   assert len(sel) == 10 and sel.count("b") == 5
 
 
+# ------------------------------------------------------------------ when evaluations run
+def test_eval_due_steps():
+  """train.eval_every counts RL steps from the end of SFT; train.sft_eval_every adds step 0,
+  every N SFT steps and the end of SFT; eval_questions = 0 turns both off."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from gigrl import trainer  # pylint: disable=g-import-not-at-top
+
+  def due(**kw):
+    t = ml_collections.ConfigDict(dict(sft_steps=5, num_steps=7, eval_every=3, sft_eval_every=0,
+                                       eval_questions=4))
+    t.update(kw)
+    return [s for s in range(t.sft_steps + t.num_steps + 1) if trainer.eval_due(t, s)]
+
+  assert due() == [5, 8, 11, 12]
+  assert due(sft_eval_every=2) == [0, 2, 4, 5, 8, 11, 12]
+  assert due(sft_eval_every=2, eval_every=0) == [0, 2, 4, 5]
+  assert due(sft_steps=0, sft_eval_every=2) == [0, 3, 6, 7]
+  assert due(eval_questions=0, sft_eval_every=1) == []
+
+
 # ------------------------------------------------------------------ train.eval_every (slow)
 import os       # noqa: E402
 import shutil   # noqa: E402
@@ -135,7 +155,8 @@ TINY = ["--config.train.sft_steps=2", "--config.train.num_steps=3",
         "--config.data.group_size=2", "--config.model.preset=tiny",
         "--config.rollout.max_new_tokens=16", "--config.rollout.max_obs_tokens=64",
         "--config.train.sft_batch_size=4", "--config.train.eval_questions=4",
-        "--config.train.eval_every=2", "--config.checkpoint.every_steps=2",
+        "--config.train.eval_every=2", "--config.train.sft_eval_every=1",
+        "--config.checkpoint.every_steps=2",
         "--config.checkpoint.keep=3", "--config.data.pool.rule=grpo"]
 
 
@@ -157,13 +178,14 @@ def _lines(workdir):
 
 @pytest.mark.slow
 def test_eval_every_lines_and_exact_resume(tmp_path):
-  """Eval lines at the start of RL (step 2), every 2 RL steps (4) and at the end (5); a run
-  resumed from the step-2 checkpoint rewrites the same metrics.jsonl (eval lines included)."""
+  """Eval lines after every SFT step from step 0 (sft_eval_every=1), at the start of RL
+  (step 2), every 2 RL steps (4) and at the end (5); a run resumed from the step-2 checkpoint
+  rewrites the same metrics.jsonl (eval lines included)."""
   workdir = tmp_path / "run"
   err = _train(workdir)
   rows = _lines(workdir)
   assert [(r["step"], r["phase"]) for r in rows] == [
-      (1, "sft"), (2, "sft"), (2, "eval"), (3, "rl"), (4, "rl"), (4, "eval"), (5, "rl"),
+      (0, "eval"), (1, "sft"), (1, "eval"), (2, "sft"), (2, "eval"), (3, "rl"), (4, "rl"), (4, "eval"), (5, "rl"),
       (5, "eval")]
   for r in rows:
     if r["phase"] == "eval":
