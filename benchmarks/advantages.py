@@ -251,8 +251,10 @@ def timed_fresh(fn, texts, reps):
 
 def verl_rows_table(sizes, reps):
   print("\nGiGPO from verl-agent's flat step rows (uuid uids, L = 256, "
-        "fresh 240-char string anchors, exact grouping); median ms. CPU time "
-        "is the robust figure on a shared machine")
+        "fresh 240-char string anchors, exact grouping); median ms. From "
+        f"{verl.PIPELINE_MIN_ROWS} rows gigrl overlaps its host passes on two "
+        "threads (CPU time > wall); below, CPU time is the robust figure on a "
+        "shared machine")
   header = (f"{'P x G x T':>12}{'rows':>8}{'gigrl wall':>12}{'gigrl cpu':>11}"
             f"{'verl-agent':>12}{'ratio wall':>12}{'ratio cpu':>11}"
             f"{'target':>9} | cpu floors: {'sum':>6}{'write':>7}{'hash':>7}")

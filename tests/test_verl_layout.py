@@ -287,3 +287,39 @@ def test_bucketed_shapes_reuse_the_compiled_kernel():
     close(got.token_advantages, want, f"{rows_per_prompt} rows per prompt")
     sizes.append(kernel._cache_size())   # pylint: disable=protected-access
   assert sizes[0] == sizes[1] == sizes[2], sizes
+
+
+@pytest.mark.parametrize("returns_from", ["step_rewards", "env_rewards"])
+def test_pipelined_blocks_equal_the_serial_pass(monkeypatch, returns_from):
+  """Large batches run in blocks of whole prompts on two threads (verl._pipelined): the same
+  bits as the one-pass path, with observations shared across blocks' prompts; rows whose
+  prompts are interleaved take the one-pass path."""
+  b = random_batch(5, p_n=23, g_n=5, t_max=5, texts=4)
+  prompt = verl.factorize(b["index"])[0]
+  order = np.argsort(prompt, kind="stable")        # prompts contiguous, steps in time order
+  b = {k: v[order] if isinstance(v, np.ndarray) else v for k, v in b.items()}
+  step_r = plain_returns(b["env"], b["valid"], b["traj"], 0.9, b["coef"]).astype(np.float32)
+  kw = dict(epsilon=1e-6, step_advantage_w=0.7, mode="mean_std_norm")
+  if returns_from == "env_rewards":
+    args = (b["tlr"], None, b["mask"], b["obs"], b["index"], b["traj"])
+    kw.update(gamma=0.9, env_rewards=b["env"], is_action_valid=b["valid"],
+              invalid_action_penalty_coef=b["coef"])
+  else:
+    args = (b["tlr"], step_r, b["mask"], b["obs"], b["index"], b["traj"])
+  serial = verl.gigpo_row_advantages(*args, **kw)
+  calls = []
+  monkeypatch.setattr(verl, "PIPELINE_MIN_ROWS", 0)
+  monkeypatch.setattr(verl, "_pipelined", lambda *a: calls.append(a[-2]) or _PIPELINED(*a))
+  got = verl.gigpo_row_advantages(*args, **kw)
+  assert len(calls) == 1 and len(calls[0]) == verl.PIPELINE_CHUNKS
+  for name in got._fields:
+    assert np.array_equal(getattr(got, name), getattr(serial, name)), name
+  assert np.count_nonzero(got.step_advantages) > len(step_r) // 2    # not a trivial case
+  shuffled = np.random.default_rng(0).permutation(len(step_r))
+  verl.gigpo_row_advantages(b["tlr"][shuffled], step_r[shuffled], b["mask"][shuffled],
+                            b["obs"][shuffled], b["index"][shuffled], None, **{
+                                k: v for k, v in kw.items() if k in ("epsilon", "mode")})
+  assert len(calls) == 1                         # interleaved prompts: the one-pass path
+
+
+_PIPELINED = verl._pipelined

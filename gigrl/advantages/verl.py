@@ -38,7 +38,9 @@ them computed here (Eq. 5).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 from typing import Any, NamedTuple
 
 import jax
@@ -363,7 +365,9 @@ def gigpo_row_advantages(token_level_rewards: Any, step_rewards: Any,
   """GiGPO advantages of verl-agent's flat step rows.
 
   Reference: verl-agent ``compute_gigpo_outcome_advantage`` (same arguments
-  and defaults); golden ``tests/golden/gigpo_*``.
+  and defaults); golden ``tests/golden/gigpo_*``. From ``PIPELINE_MIN_ROWS``
+  rows whose prompts occupy contiguous rows (verl-agent's order), the host
+  passes run in blocks of prompts on two worker threads (same results).
 
   Args:
     token_level_rewards: f32[N, L] (numpy or torch); the row's episode score
@@ -424,28 +428,125 @@ def gigpo_row_advantages(token_level_rewards: Any, step_rewards: Any,
     gamma = None
   if len(values) != n:
     raise ValueError(f"step rewards have {len(values)} rows, expected {n}")
-  ids = step_group_ids(anchor_obs, layout,
-                       enable_similarity=enable_similarity,
-                       similarity_thresh=similarity_thresh)
-  scores = np.einsum("ij->i", tlr.astype(np.float32, copy=False))
-  valid = None if layout.dense else _to_grid(layout, np.ones(n, bool),
-                                             fill=False)
-  grid = lambda x: _to_grid(layout, x)
-  out = np.asarray(_grid_kernel(
-      grid(np.stack([scores, values])), valid,
-      grid(ids), grid(penalty) if gamma is not None else None,
-      eps=float(epsilon), omega=float(step_advantage_w),
-      norm=mode == "mean_std_norm",
-      gamma=None if gamma is None else float(gamma)))
-  row, a_e, a_s = (_from_grid(layout, x) for x in out)
-  if mask.dtype == np.float32:   # einsum's loop: ~25% faster, same products
-    tokens = np.einsum("ij,i->ij", mask, row)
+  kernel = functools.partial(
+      _grid_kernel, eps=float(epsilon), omega=float(step_advantage_w),
+      norm=mode == "mean_std_norm", gamma=None if gamma is None else float(gamma))
+  chunks = None if enable_similarity else _prompt_chunks(layout)
+  if chunks is not None:
+    tokens, row, a_e, a_s, ids = _pipelined(tlr, mask, values, penalty, anchor_obs, layout,
+                                            chunks, kernel)
   else:
-    tokens = np.multiply(row[:, None], mask, dtype=np.float32)
+    tokens, row, a_e, a_s, ids = _serial(tlr, mask, values, penalty, anchor_obs, layout,
+                                         kernel, enable_similarity, similarity_thresh)
   if hasattr(token_level_rewards, "detach"):
     import torch                                  # pylint: disable=g-import-not-at-top
     tokens = torch.from_numpy(tokens).to(token_level_rewards.device)
   return FlatAdvantages(tokens, row, a_e, a_s, ids)
+
+
+def _grid_advantages(layout: RowLayout, scores: np.ndarray, values: np.ndarray,
+                     penalty: np.ndarray | None, ids: np.ndarray, kernel
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """f32[N] joint, episode and step advantages of the rows, through one kernel call."""
+  valid = None if layout.dense else _to_grid(layout, np.ones(len(ids), bool), fill=False)
+  grid = lambda x: _to_grid(layout, x)
+  out = np.asarray(kernel(grid(np.stack([scores, values])), valid, grid(ids),
+                          None if penalty is None else grid(penalty)))
+  return tuple(_from_grid(layout, x) for x in out)
+
+
+def _write_tokens(mask: np.ndarray, row: np.ndarray, out: np.ndarray) -> None:
+  """``out[i, l] = row[i] * mask[i, l]`` (f32)."""
+  if mask.dtype == np.float32:   # einsum's loop: ~25% faster, same products
+    np.einsum("ij,i->ij", mask, row, out=out)
+  else:
+    np.multiply(row[:, None], mask, out=out, dtype=np.float32)
+
+
+def _serial(tlr, mask, values, penalty, anchor_obs, layout, kernel, enable_similarity,
+            similarity_thresh):
+  """One pass: anchors, token sums, one kernel call, the token write."""
+  ids = step_group_ids(anchor_obs, layout,
+                       enable_similarity=enable_similarity,
+                       similarity_thresh=similarity_thresh)
+  scores = np.einsum("ij->i", tlr.astype(np.float32, copy=False))
+  row, a_e, a_s = _grid_advantages(layout, scores, values, penalty, ids, kernel)
+  tokens = np.empty(mask.shape, np.float32)
+  _write_tokens(mask, row, tokens)
+  return tokens, row, a_e, a_s, ids
+
+
+# Below this many rows the serial pass is faster than handing work to threads.
+PIPELINE_MIN_ROWS = 1 << 17
+PIPELINE_CHUNKS = 4
+
+
+def _prompt_chunks(layout: RowLayout) -> list[tuple[int, int, int, int]] | None:
+  """``PIPELINE_CHUNKS`` (row start, row end, prompt start, prompt end) blocks of whole prompts,
+  or None when the serial pass is used: few rows, one core, or a prompt's rows not contiguous
+  (then a block of rows is not a block of prompts)."""
+  n, p_n = len(layout.prompt), layout.shape[0]
+  if n < PIPELINE_MIN_ROWS or (os.cpu_count() or 1) < 2:
+    return None
+  starts = np.flatnonzero(np.diff(layout.prompt)) + 1
+  if len(starts) != int(layout.prompt[-1]) or layout.prompt[0] != 0:
+    return None                      # some prompt's rows come in more than one run
+  starts = np.concatenate([[0], starts, [n]])
+  n_prompts = int(layout.prompt[-1]) + 1
+  cuts = [round(i * n_prompts / PIPELINE_CHUNKS) for i in range(PIPELINE_CHUNKS + 1)]
+  return [(int(starts[a]), int(starts[b]), a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def _chunk_layout(layout: RowLayout, r0: int, r1: int, q0: int, q1: int) -> RowLayout:
+  """Rows ``[r0, r1)`` (prompts ``[q0, q1)``) as a layout of their own, P bucketed."""
+  _, g, t = layout.shape
+  shape = (bucket(q1 - q0), g, t)
+  prompt = layout.prompt[r0:r1] - q0
+  flat = layout.flat[r0:r1] - q0 * g * t
+  dense = r1 - r0 == shape[0] * g * t and bool((np.diff(flat) == 1).all())
+  return RowLayout(prompt, layout.traj[r0:r1], layout.step[r0:r1], shape, flat, dense)
+
+
+def _pipelined(tlr, mask, values, penalty, anchor_obs, layout, chunks, kernel):
+  """The serial pass's results, with the host work overlapped on two cores.
+
+  GiGPO's statistics are per prompt, so blocks of whole prompts are independent. The main thread
+  hashes one block's anchor observations (Python, holds the GIL) and runs its kernel while two
+  worker threads sum the token rewards and write the previous blocks' token advantages (numpy,
+  releases the GIL; the write of the [N, L] output, page faults included, is the largest pass).
+  Each block's kernel sees the same per-prompt rows as the whole batch's (only P is padded
+  differently), and the token write is elementwise.
+  """
+  n = len(layout.prompt)
+  tokens = np.empty(mask.shape, np.float32)
+  row, a_e, a_s = (np.empty(n, np.float32) for _ in range(3))
+  ids = np.empty(n, np.int32)
+  scores = np.empty(n, np.float32)
+  tlr32 = tlr.astype(np.float32, copy=False)
+
+  def token_sum(r0, r1):
+    np.einsum("ij->i", tlr32[r0:r1], out=scores[r0:r1])
+
+  def write(r0, r1):
+    _write_tokens(mask[r0:r1], row[r0:r1], tokens[r0:r1])
+
+  obs = anchor_obs if isinstance(anchor_obs, np.ndarray) or hasattr(anchor_obs, "detach") \
+      else list(anchor_obs)
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    sums = [pool.submit(token_sum, r0, r1) for r0, r1, _, _ in chunks]
+    writes = []
+    for (r0, r1, q0, q1), summed in zip(chunks, sums):
+      sub = _chunk_layout(layout, r0, r1, q0, q1)
+      ids[r0:r1] = step_group_ids(obs[r0:r1], sub)
+      summed.result()
+      row[r0:r1], a_e[r0:r1], a_s[r0:r1] = _grid_advantages(
+          sub, scores[r0:r1], values[r0:r1], None if penalty is None else penalty[r0:r1],
+          ids[r0:r1], kernel)
+      mid = (r0 + r1) // 2                    # two halves: both workers write the last block
+      writes += [pool.submit(write, r0, mid), pool.submit(write, mid, r1)]
+    for w in writes:
+      w.result()
+  return tokens, row, a_e, a_s, ids
 
 
 def compute_gigpo_outcome_advantage(token_level_rewards: Any,
