@@ -327,11 +327,13 @@ def compile_programs(cfg, topology: str, programs: Sequence[str] = PROGRAMS,
                                                           mask, adv, old),
           flops(mini * s_len, train_factor))
     if "old_logprobs" in programs and not whole:
-      all_toks = rows_spec((rows, s_len), jnp.int32)
-      all_mask = rows_spec((rows, s_len), jnp.float32)
-      run("old_logprobs", f"{rows} rows x {s_len} tokens",
+      # update.old_logprobs: one PPO micro-batch of rows per call
+      chunk = min(micro, mini)
+      all_toks = rows_spec((chunk, s_len), jnp.int32)
+      all_mask = rows_spec((chunk, s_len), jnp.float32)
+      run("old_logprobs", f"{rows} rows ({rows // chunk} x {chunk}) x {s_len} tokens",
           lambda: _jitted(steps.logprob_step).lower(params, all_toks, all_mask),
-          flops(rows * s_len, 2))
+          flops(chunk * s_len, 2))
 
   b = p * g
   cache_len = settings.seq_len + 1

@@ -359,6 +359,33 @@ def minibatch_order(num_rows: int, mini_batch_rows: int, epochs: int, *, seed: i
   return out
 
 
+def old_logprobs(logprob_step: Callable, params, tokens: np.ndarray, loss_mask: np.ndarray, *,
+                 put: Callable, chunk_rows: int) -> np.ndarray:
+  """The rollout policy's log-probs of a step's rows, ``chunk_rows`` rows per call.
+
+  verl computes them in micro-batches too (``log_prob_micro_batch_size``): a forward pass over
+  all of a step's rows at once needs the activations of every row (Qwen2.5-7B at Search-R1's
+  2,560 rows x 4,756 tokens: 119 GiB per chip on v5p-64, against 96), one micro-batch's at a
+  time fits wherever the update's micro-batch does. Rows are independent, so the chunking does
+  not change the values.
+
+  Args:
+    logprob_step: ``(params, tokens, loss_mask) -> f32[rows, K]`` (:class:`gigrl.build.Steps`).
+    tokens: i32[B, W]; loss_mask: f32[B, W] host rows.
+    put: host rows -> device array on the training mesh.
+    chunk_rows: rows per call (the PPO micro-batch); 0 or >= B = one call.
+  Returns:
+    f32[B, K] on the host (every process holds all rows: ``distributed.fetch``).
+  """
+  b = tokens.shape[0]
+  chunk = b if not chunk_rows or chunk_rows >= b else int(chunk_rows)
+  # (distributed.fetch: on several processes the log-probs span every host's devices)
+  return np.concatenate([
+      distributed.fetch(logprob_step(params, put(tokens[i:i + chunk]),
+                                     put(loss_mask[i:i + chunk])))
+      for i in range(0, b, chunk)])
+
+
 def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
                loss_mask: np.ndarray, token_advantages: np.ndarray, *, put: Callable,
                mini_batch_rows: int, epochs: int, micro_batch_rows: int, seed: int, step: int,
@@ -367,7 +394,7 @@ def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
 
   With one mini-batch, one epoch and no micro-batching this is exactly one ``steps.rl_step``
   (old log-probs = the current ones). Otherwise the rollout policy's log-probs are computed
-  once (``steps.logprob_step``, before any update), and each of ``epochs`` epochs runs one
+  once (:func:`old_logprobs`, before any update, one micro-batch of rows per call), and each of ``epochs`` epochs runs one
   ``steps.ppo_step`` per mini-batch of ``mini_batch_rows`` rows (:func:`minibatch_order`), each
   accumulating gradients over micro-batches of ``micro_batch_rows`` rows.
 
@@ -387,8 +414,8 @@ def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
     params, opt_state, m = steps.rl_step(params, opt_state, ref_params, put(tokens),
                                          put(loss_mask), put(token_advantages))
     return params, opt_state, dict(jax.device_get(m), **{"train/updates": 1})
-  # (distributed.fetch: on several processes the log-probs span every host's devices)
-  old = distributed.fetch(steps.logprob_step(params, put(tokens), put(loss_mask)))
+  old = old_logprobs(steps.logprob_step, params, tokens, loss_mask, put=put,
+                     chunk_rows=min(micro, mini_batch_rows))
   n_micro = mini_batch_rows // min(micro, mini_batch_rows)
   ppo_step = steps.ppo_step(n_micro)
   history = []

@@ -106,6 +106,38 @@ def test_old_logprobs_from_the_rollout_policy_give_ratio_one_on_the_first_update
     np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+def test_old_logprobs_come_one_micro_batch_at_a_time():
+  """update.old_logprobs: the rollout policy's log-probs in calls of the micro-batch's rows (a
+  pod's whole-batch forward pass does not fit), equal to one call over every row; ppo_update
+  makes one call per micro-batch."""
+  cfg, policy = _cfg(micro_batch_size=2, ppo_mini_batch_size=2), _policy(0)
+  steps = build.build_steps(cfg, policy)
+  tokens, mask, adv = _batch()
+  put = lambda x: build.put_rows(policy.mesh, x)
+  want = np.asarray(steps.logprob_step(policy.params, put(tokens), put(mask)))
+  calls, real = [], steps.logprob_step
+
+  def counted(params, tok, msk):
+    calls.append(tok.shape[0])
+    return real(params, tok, msk)
+
+  got = update_lib.old_logprobs(counted, policy.params, tokens, mask, put=put, chunk_rows=2)
+  assert calls == [2, 2, 2, 2] and got.shape == want.shape
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  assert np.abs(want).max() > 0.1                           # not a trivial batch
+  calls.clear()
+  update_lib.old_logprobs(counted, policy.params, tokens, mask, put=put, chunk_rows=0)
+  assert calls == [B]
+  calls.clear()
+  steps.logprob_step = counted
+  mini, micro = build.ppo_rows(cfg)
+  update_lib.ppo_update(steps, _copy(policy.params), steps.init_opt(steps.rl_tx, policy.params),
+                        _policy(1).params, tokens, mask, adv, put=put, mini_batch_rows=mini,
+                        epochs=1, micro_batch_rows=micro, seed=0, step=1)
+  steps.logprob_step = real
+  assert (mini, micro) == (4, 2) and calls == [2, 2, 2, 2]
+
+
 @pytest.mark.parametrize("mode", loss_lib.AGG_MODES)
 def test_gradient_accumulation_equals_one_big_batch(mode):
   cfg, policy, ref = _cfg(), _policy(0), _policy(1).params

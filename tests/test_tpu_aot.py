@@ -74,7 +74,8 @@ def test_cli_exits_1_naming_the_program_that_does_not_fit():
 
 def test_ppo_mini_and_micro_batches_compile_the_accumulating_step():
   """train.ppo_mini_batch_size / micro_batch_size: the RL program is one mini-batch's
-  update with gradient accumulation (update.make_ppo_step), plus the old log-probs."""
+  update with gradient accumulation (update.make_ppo_step), plus the old log-probs, one
+  micro-batch of rows per call (update.old_logprobs)."""
   cfg = _tiny_config()
   cfg.train.ppo_mini_batch_size = 2      # prompts: 4 rows per update
   cfg.train.micro_batch_size = 4         # rows: no accumulation split below the mesh
@@ -83,5 +84,5 @@ def test_ppo_mini_and_micro_batches_compile_the_accumulating_step():
                                          log=None)
   rl, old = reports
   assert (rl.name, rl.shapes) == ("rl_step", "4 rows (1 x 4) x 80 tokens")
-  assert (old.name, old.shapes) == ("old_logprobs", "8 rows x 80 tokens")
+  assert (old.name, old.shapes) == ("old_logprobs", "8 rows (2 x 4) x 80 tokens")
   assert rl.fits and old.fits and rl.kernels >= 2
