@@ -35,6 +35,8 @@ def tiny(cfg):
   cfg.model.hf_path = ""
   cfg.model.dtype = cfg.model.param_dtype = "float32"
   cfg.model.mesh.fsdp = 1
+  if cfg.model.extend_chunk:                        # chunked prefill: several passes here too
+    cfg.model.extend_chunk = 64
   cfg.data.train_sources = "hotpotqa"
   cfg.data.questions_file = ""
   cfg.data.max_train_questions = 8

@@ -36,6 +36,9 @@ def get_config(arg: str | None = None):
   cfg.rollout.max_new_tokens = 512              # data.max_response_length=512 (per step)
   cfg.rollout.max_obs_tokens = 500              # Search-R1 observation cap (not in script)
   cfg.rollout.max_prompt_tokens = 4096          # data.max_prompt_length=4096
+  # gigrl layout, not a verl-agent setting: prefill in passes of 512 tokens. 1,280 rows x 4,096
+  # prompt tokens in one pass need 103 GiB per v5p chip, in passes 43 (docs/tpu.md).
+  cfg.model.extend_chunk = 512
   cfg.search.topk = 3                           # env.search.topk=3
   # GiGPO (verl-agent algorithm.gigpo.*)
   cfg.advantage.outcome = "grpo"                # mode=mean_std_norm: episode level normalised

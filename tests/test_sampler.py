@@ -223,3 +223,33 @@ def test_stop_hit_and_decode_step():
                     choose=lambda lg, key: jnp.array([4, 5, 4]))
   np.testing.assert_array_equal(out.tokens, [4, 5, 4])
   np.testing.assert_array_equal(out.hit, [True, False, False])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "accelerator"])
+def test_chunked_extend_equals_one_pass(backend):
+  """model.extend_chunk (chunked prefill): prompts of 11 tokens in passes of 4, on rows of
+  unequal lengths (one empty), then an observation extend on top, give the one-pass logits
+  and cache; the next greedy tokens are equal."""
+  def run(chunk):
+    cfg = CFG.replace(backend=backend, extend_chunk=chunk, cache_block=8)
+    g, st = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    toks = np.asarray(jax.random.randint(jax.random.key(5), (4, 11), 1, 64), np.int32)
+    lens = np.array([11, 6, 0, 4], np.int32)
+    toks = toks * (np.arange(11)[None] < lens[:, None])
+    prev = jnp.full((4, 64), -1.0)
+    cache = init_cache(cfg, 4, 32)
+    logits, cache = extend_last(g, st, cache, toks, lens, prev)
+    obs = np.asarray(jax.random.randint(jax.random.key(6), (4, 9), 1, 64), np.int32)
+    obs_len = np.array([2, 9, 5, 0], np.int32)
+    logits2, cache2 = extend_last(g, st, cache, obs * (np.arange(9)[None] < obs_len[:, None]),
+                                  obs_len, logits)
+    return [np.asarray(x, np.float32) for x in (logits, logits2, cache2.k, cache2.v)] + [
+        np.asarray(cache2.pos)]
+
+  whole, chunked = run(0), run(4)
+  np.testing.assert_array_equal(chunked[4], whole[4])
+  np.testing.assert_array_equal(whole[4], [13, 15, 5, 4])
+  for got, want in zip(chunked[:4], whole[:4]):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(chunked[0][2], -1.0)          # an empty row keeps its logits
+  np.testing.assert_array_equal(chunked[1].argmax(-1), whole[1].argmax(-1))

@@ -62,6 +62,7 @@ class ModelConfig:
   backend: str = "auto"  # one of BACKENDS; resolved by `resolve` in Transformer()
   attention: str = "auto"  # one of ATTENTION; resolved by `resolve`
   cache_block: int = 512  # accelerator KV-cache attention: slots per block read (0 = all)
+  extend_chunk: int = 0  # tokens per KV-cache extend pass (prefill, observations); 0 = all
   kernel_interpret: bool = False  # run Pallas kernels in interpret mode (CPU tests)
 
   def __post_init__(self):
@@ -184,6 +185,8 @@ def default_config() -> mlc.ConfigDict:
   c.backend = "auto"          # auto | cpu | accelerator (which model code paths run)
   c.attention = "auto"        # auto | xla | splash (training attention; auto = splash on TPU)
   c.logprob_chunk_size = 512  # sequence chunk for token_logprobs
+  c.extend_chunk = 0          # chunked prefill: KV-cache extends (prompts, observations) in
+                              # passes of this many tokens, a fraction of the activations; 0 = one
   c.causal_block = -1         # training causal-attention query block: -1 = preset's
                               # value (32; tiny presets 0), 0 = dense masked attention
   # Mesh axis sizes; -1 on at most one axis = all remaining devices.
@@ -212,6 +215,7 @@ def validate(cfg_model: Any) -> None:
   check_choice(c, "model.attention", ATTENTION)
   check_range(c, "model.logprob_chunk_size", 1, integer=True)
   check_range(c, "model.causal_block", -1, integer=True)
+  check_range(c, "model.extend_chunk", 0, integer=True)
   sizes = [check_range_mesh(c, f"model.mesh.{a}") for a in ("data", "fsdp", "tp")]
   if sum(s == -1 for s in sizes) > 1:
     raise ConfigError("model.mesh", dict(zip(("data", "fsdp", "tp"), sizes)),
@@ -256,6 +260,7 @@ def _compute_overrides(cfg_model: Any, base: ModelConfig) -> dict[str, Any]:
         for k in ("dtype", "param_dtype", "remat", "backend", "attention")}
   if cfg_model.get("causal_block", -1) >= 0:       # -1 = the preset's value
     kw["causal_block"] = int(cfg_model.causal_block)
+  kw["extend_chunk"] = int(cfg_model.get("extend_chunk", 0))
   return kw
 
 

@@ -65,8 +65,31 @@ def model_extend_last(model, cache: KVCache, tokens: jax.Array, lengths: jax.Arr
   """`extend_last` on a merged model, for use inside a caller's own jitted program.
 
   Same arguments and result as `extend_last` (without graphdef/state; not jitted, nothing
-  donated).
+  donated). With `model.cfg.extend_chunk` = n > 0 and more than n new tokens, the tokens go
+  in passes of n (chunked prefill, a `lax.scan`): each pass's activations are a fraction of
+  one pass's, the cache and the logits are the same up to float rounding.
   """
+  n = int(getattr(model.cfg, "extend_chunk", 0))
+  width = tokens.shape[1]
+  if n and width > n:
+    passes = -(-width // n)
+    tokens = jnp.pad(tokens, ((0, 0), (0, passes * n - width)))
+    chunks = jnp.moveaxis(tokens.reshape(tokens.shape[0], passes, n), 1, 0)
+
+    def one_pass(carry, xs):
+      cache, logits = carry
+      chunk, start = xs
+      logits, cache = _extend_once(model, cache, chunk, jnp.clip(lengths - start, 0, n), logits)
+      return (cache, logits), None
+
+    (cache, logits), _ = jax.lax.scan(one_pass, (cache, prev_logits),
+                                      (chunks, jnp.arange(passes, dtype=jnp.int32) * n))
+    return logits, cache
+  return _extend_once(model, cache, tokens, lengths, prev_logits)
+
+
+def _extend_once(model, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
+                 prev_logits: jax.Array) -> tuple[jax.Array, KVCache]:
   hidden, cache = model.extend_hidden(cache, tokens, lengths)
   last = jnp.maximum(lengths - 1, 0)
   h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]     # [B, D]
