@@ -394,9 +394,10 @@ def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
 
   With one mini-batch, one epoch and no micro-batching this is exactly one ``steps.rl_step``
   (old log-probs = the current ones). Otherwise the rollout policy's log-probs are computed
-  once (:func:`old_logprobs`, before any update, one micro-batch of rows per call), and each of ``epochs`` epochs runs one
-  ``steps.ppo_step`` per mini-batch of ``mini_batch_rows`` rows (:func:`minibatch_order`), each
-  accumulating gradients over micro-batches of ``micro_batch_rows`` rows.
+  once (:func:`old_logprobs`, before any update, one micro-batch of rows per call), and each
+  of ``epochs`` epochs runs one ``steps.ppo_step`` per mini-batch of ``mini_batch_rows`` rows
+  (:func:`minibatch_order`), each accumulating gradients over micro-batches of
+  ``micro_batch_rows`` rows.
 
   Args:
     steps: an object with ``rl_step``, ``ppo_step(micro_batches)`` and ``logprob_step``

@@ -485,7 +485,7 @@ def _prompt_chunks(layout: RowLayout) -> list[tuple[int, int, int, int]] | None:
   """``PIPELINE_CHUNKS`` (row start, row end, prompt start, prompt end) blocks of whole prompts,
   or None when the serial pass is used: few rows, one core, or a prompt's rows not contiguous
   (then a block of rows is not a block of prompts)."""
-  n, p_n = len(layout.prompt), layout.shape[0]
+  n = len(layout.prompt)
   if n < PIPELINE_MIN_ROWS or (os.cpu_count() or 1) < 2:
     return None
   starts = np.flatnonzero(np.diff(layout.prompt)) + 1
