@@ -307,9 +307,9 @@ def test_pipelined_blocks_equal_the_serial_pass(monkeypatch, returns_from):
   else:
     args = (b["tlr"], step_r, b["mask"], b["obs"], b["index"], b["traj"])
   serial = verl.gigpo_row_advantages(*args, **kw)
-  calls = []
+  calls, real = [], verl._pipelined
   monkeypatch.setattr(verl, "PIPELINE_MIN_ROWS", 0)
-  monkeypatch.setattr(verl, "_pipelined", lambda *a: calls.append(a[-2]) or _PIPELINED(*a))
+  monkeypatch.setattr(verl, "_pipelined", lambda *a: calls.append(a[-2]) or real(*a))
   got = verl.gigpo_row_advantages(*args, **kw)
   assert len(calls) == 1 and len(calls[0]) == verl.PIPELINE_CHUNKS
   for name in got._fields:
@@ -321,5 +321,3 @@ def test_pipelined_blocks_equal_the_serial_pass(monkeypatch, returns_from):
                                 k: v for k, v in kw.items() if k in ("epsilon", "mode")})
   assert len(calls) == 1                         # interleaved prompts: the one-pass path
 
-
-_PIPELINED = verl._pipelined

@@ -69,7 +69,7 @@ def model_extend_last(model, cache: KVCache, tokens: jax.Array, lengths: jax.Arr
   in passes of n (chunked prefill, a `lax.scan`): each pass's activations are a fraction of
   one pass's, the cache and the logits are the same up to float rounding.
   """
-  n = int(getattr(model.cfg, "extend_chunk", 0))
+  n = model.cfg.extend_chunk
   width = tokens.shape[1]
   if n and width > n:
     passes = -(-width // n)
