@@ -58,6 +58,8 @@ def test_query_recycling_k_and_budget():
     c = m.get_config(f"qwen2.5-1.5b,k{k}")
     assert (c.data.prompts_per_step, c.data.group_size, c.data.pool.oversample) == (32, 4, k)
     assert c.data.pool.rule == "recycle"
+    # one update per step, in 4 micro-batches of 32 rows (fits v5e-16; docs/tpu.md)
+    assert (c.train.ppo_mini_batch_size, c.train.micro_batch_size) == (0, 32)
     assert c.train.num_steps * k * 32 * 4 <= 84_500 < (c.train.num_steps + 1) * k * 32 * 4
 
 
