@@ -41,7 +41,10 @@ import subprocess
 import sys
 import time
 
-import jax
+# Host work only: the CPU backend, set before jax reads it (with the `tpu` extra installed, jax
+# would otherwise probe for a TPU and print libtpu's start-up errors).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax  # noqa: E402  pylint: disable=wrong-import-position
 import numpy as np
 
 from gigrl import rl_batch
@@ -305,5 +308,4 @@ def main():
 
 
 if __name__ == "__main__":
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
   main()
