@@ -27,7 +27,9 @@ host path, in the trainer's order:
 
 Times are wall seconds of one step (after an untimed warm-up step), with the
 process-CPU total beside them. Budget: <= 10 s per 2,560 trajectories on this
-machine (issue #12's fallback while no accelerator step estimate exists).
+machine, printed beside the accelerator step it overlaps with: ``ACCEL_FLOOR_S``,
+the roofline floor that ``gigrl-compile`` gives for Qwen2.5-3B at this batch on
+v5e-64 (docs/tpu.md), where the host path is also split over 16 hosts.
 """
 from __future__ import annotations
 
@@ -56,6 +58,11 @@ from gigrl.rollout import protocol
 from gigrl.rollout import trajectory as traj_lib
 from gigrl.rollout import turns
 from gigrl.search import bm25
+
+# Roofline floor of the Search-R1 3B step on v5e-64 (docs/tpu.md): two PPO mini-batch updates of
+# >= 12 s each, and >= 4.4 s per 500-token decode turn, 4 turns. A floor, not a forecast.
+ACCEL_FLOOR_S = 2 * 12.0 + 4 * 4.4
+V5E_64_HOSTS = 16
 
 STAGES = ("prompts", "decode text", "parse + record", "search",
           "obs tokenize", "collate", "reward", "pool", "anchors + inputs",
@@ -285,6 +292,10 @@ def run(name, retriever, args):
   print(f"(whole step incl. the script: CPU {cpu:.2f} s, wall {wall:.2f} s; "
         f"budget 10 s per 2,560 trajectories = {10 * n / 2560:.1f} s here; "
         "CPU time is the robust figure on a shared machine)")
+  if n == 2560:
+    print(f"(beside the accelerator: the Search-R1 3B step on v5e-64 takes >= {ACCEL_FLOOR_S:.1f} s "
+          f"(roofline floor, docs/tpu.md); this host path is {total_c / ACCEL_FLOOR_S:.0%} of it on "
+          f"one host, ~{total_c / V5E_64_HOSTS:.2f} s per host split over its {V5E_64_HOSTS} hosts)")
 
 
 def main():
