@@ -16,6 +16,18 @@ from gigrl import config as config_lib
 pytestmark = pytest.mark.slow   # TPU compiles: ~1-2 min on 2 busy cores
 
 
+@pytest.fixture(autouse=True)
+def _full_optimization(monkeypatch):
+  """TPU programs compiled as `gigrl-compile` compiles them: conftest.py's
+  jax_disable_most_optimizations (LLVM level 0, for the CPU test programs) is turned off."""
+  import jax  # pylint: disable=import-outside-toplevel
+  monkeypatch.delenv("JAX_DISABLE_MOST_OPTIMIZATIONS", raising=False)
+  before = jax.config.values["jax_disable_most_optimizations"]
+  jax.config.update("jax_disable_most_optimizations", False)
+  yield
+  jax.config.update("jax_disable_most_optimizations", before)
+
+
 def _tiny_config():
   cfg = config_lib.base_config()
   cfg.model.preset = "tiny"
