@@ -6,6 +6,7 @@ run of the same command: all metrics must be equal bitwise, except wall-clock ti
 `GIGRL_RESUME_REPEATS=10 pytest tests/test_resume.py -k kill` repeats the kill test.
 The corrupt / partial / changed-config cases start from copies of one short run (``prefix``).
 """
+import importlib.util
 import json
 import os
 import random
@@ -197,3 +198,14 @@ def test_init_from_an_sft_run_continues_it_exactly(tmp_path, reference):
   assert "train.init_from" in proc.stderr and "at step 2" in proc.stderr
   _run(rl, f"--config.train.init_from={sft}")
   assert _metrics(rl) == reference[3:]
+  # notebooks/export_warm_start.py (the notebook's committed warm-start): params only, the same RL.
+  spec = importlib.util.spec_from_file_location(
+      "export_warm_start", os.path.join(ROOT, "notebooks", "export_warm_start.py"))
+  export = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(export)
+  exported = tmp_path / "exported"
+  assert export.export(str(sft), str(exported)) == 3
+  assert _metrics(exported) == [export.slim(r) for r in _metrics(sft)]
+  rl2 = tmp_path / "rl_from_export"
+  _run(rl2, f"--config.train.init_from={exported}")
+  assert _metrics(rl2) == reference[3:]
