@@ -65,6 +65,7 @@ def train_config() -> ml_collections.ConfigDict:
   c.shuffle = True             # permute rows each epoch (seed, step, epoch) with > 1 mini-batch
   c.weight_decay = 0.01
   c.b1, c.b2 = 0.9, 0.999
+  c.eps = 1e-8                 # AdamW epsilon (optax's and torch's default)
   c.grad_clip = 1.0
   # Non-finite loss/gradients: the update is skipped (optax.apply_if_finite) and counted in
   # `train/nonfinite_updates`; this many in a row stop the run (last good checkpoint kept).
@@ -189,6 +190,7 @@ def _validate_train(cfg):
   check_range(cfg, "train.weight_decay", 0.0)
   check_range(cfg, "train.b1", 0.0, 1.0, hi_open=True)
   check_range(cfg, "train.b2", 0.0, 1.0, hi_open=True)
+  check_range(cfg, "train.eps", 0.0, lo_open=True)
   check_range(cfg, "train.max_consecutive_nonfinite", 1, integer=True)
   check_range(cfg, "train.sft_steps", 0, integer=True)
   check_range(cfg, "train.sft_batch_size", 1, integer=True)

@@ -66,21 +66,22 @@ def lr_schedule(learning_rate: float, *, total_steps: int, lr_warmup_steps: int,
 
 def make_optimizer(learning_rate: float | optax.Schedule, *, weight_decay: float,
                    b1: float, b2: float, grad_clip: float,
-                   max_consecutive_nonfinite: int) -> optax.GradientTransformation:
+                   max_consecutive_nonfinite: int, eps: float = 1e-8) -> optax.GradientTransformation:
   """AdamW with global-norm clipping and a learning-rate schedule (optax), skipping
   non-finite updates.
 
   ``learning_rate`` is a float (constant) or an optax schedule (:func:`lr_schedule`).
   ``optax.apply_if_finite`` drops an update whose gradients hold a NaN or Inf (params and the
   inner optimizer state stay as they were, so the schedule does not advance either) and
-  counts it in the state (``notfinite_count``, ``total_notfinite``). After
+  counts it in the state (``notfinite_count``, ``total_notfinite``). ``eps`` is Adam's ε
+  (``train.eps``; 1e-8, optax's and torch's default). After
   ``max_consecutive_nonfinite`` skips in a row it would apply the next one anyway; the
   trainer stops the run before that (docs/architecture.md).
   """
   # Always a schedule, so the SFT and RL optimizer states share one tree structure.
   lr = learning_rate if callable(learning_rate) else optax.constant_schedule(learning_rate)
   inner = optax.chain(optax.clip_by_global_norm(grad_clip),
-                      optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay))
+                      optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
   return optax.apply_if_finite(inner, max_consecutive_errors=max_consecutive_nonfinite)
 
 
@@ -108,7 +109,8 @@ def optimizer_from_config(cfg_train: Any, phase: str, *,
                      updates_per_step=updates_per_step(t, num_prompts))
   return make_optimizer(lr, weight_decay=float(t.weight_decay),
                         b1=float(t.b1), b2=float(t.b2), grad_clip=float(t.grad_clip),
-                        max_consecutive_nonfinite=int(t.max_consecutive_nonfinite))
+                        max_consecutive_nonfinite=int(t.max_consecutive_nonfinite),
+                        eps=float(t.eps))
 
 
 def _shifted(tokens: jax.Array, loss_mask: jax.Array):
