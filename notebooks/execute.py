@@ -2,12 +2,16 @@
 
   python notebooks/execute.py                       # every notebook, full size, in place
   GIGRL_NOTEBOOK_CI=1 python notebooks/execute.py paper_claims.ipynb   # CI size
+  python notebooks/execute.py --figures             # only re-export the headline figures
 
 Used to refresh the committed outputs (full size, once) after a change; tests/test_notebooks.py
-runs the same kernel at CI size without saving.
+runs the same kernel at CI size without saving. Each notebook's cell tagged ``headline`` has its
+figure written to ``docs/figures/<notebook>.png`` (shown in the README; tests/test_notebooks.py
+checks the two agree).
 """
 from __future__ import annotations
 
+import base64
 import glob
 import os
 import sys
@@ -17,6 +21,28 @@ import nbformat
 from nbclient import NotebookClient
 
 NB_DIR = os.path.dirname(os.path.abspath(__file__))
+FIGURE_DIR = os.path.join(os.path.dirname(NB_DIR), "docs", "figures")
+HEADLINE_TAG = "headline"
+
+
+def headline_png(nb) -> bytes | None:
+  """PNG bytes of the first image output of the notebook's cell tagged ``headline``, or None."""
+  for cell in nb.cells:
+    if HEADLINE_TAG in cell.get("metadata", {}).get("tags", []):
+      for out in cell.get("outputs", []):
+        if "image/png" in out.get("data", {}):
+          return base64.b64decode(out["data"]["image/png"])
+  return None
+
+
+def export_figure(name: str, nb=None) -> None:
+  """Writes ``docs/figures/<stem>.png`` from the saved notebook's headline cell (if it has one)."""
+  nb = nb or nbformat.read(os.path.join(NB_DIR, name), as_version=4)
+  png = headline_png(nb)
+  if png is not None:
+    os.makedirs(FIGURE_DIR, exist_ok=True)
+    with open(os.path.join(FIGURE_DIR, os.path.splitext(name)[0] + ".png"), "wb") as f:
+      f.write(png)
 
 
 def execute(name: str, timeout: int = 3600) -> None:
@@ -37,6 +63,8 @@ def execute(name: str, timeout: int = 3600) -> None:
   finally:
     nbformat.write(nb, path)
     print(f"{name}: {time.time() - t0:.0f} s", file=sys.stderr)
+  if os.environ.get("GIGRL_NOTEBOOK_CI") != "1":      # CI-size figures are not the README's
+    export_figure(name, nb)
 
 
 def _cpu_only_without_a_tpu() -> None:
@@ -49,6 +77,11 @@ def _cpu_only_without_a_tpu() -> None:
 
 
 if __name__ == "__main__":
+  figures_only = "--figures" in sys.argv[1:]
+  names = [a for a in sys.argv[1:] if a != "--figures"]
   _cpu_only_without_a_tpu()
-  for n in sys.argv[1:] or sorted(f for f in os.listdir(NB_DIR) if f.endswith(".ipynb")):
-    execute(os.path.basename(n))
+  for n in names or sorted(f for f in os.listdir(NB_DIR) if f.endswith(".ipynb")):
+    if figures_only:
+      export_figure(os.path.basename(n))
+    else:
+      execute(os.path.basename(n))

@@ -41,3 +41,19 @@ def test_notebook_runs(name, workdir, monkeypatch):
     client.execute()
   except CellExecutionError as e:
     pytest.fail(f"{name}: a cell raised\n{e}", pytrace=False)
+
+
+def test_readme_figures_are_the_notebooks_headline_figures():
+  """docs/figures/<notebook>.png (shown in the README) is the committed notebook's figure of its
+  cell tagged ``headline`` (notebooks/execute.py writes both; --figures re-exports)."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("nb_execute", os.path.join(NB_DIR, "execute.py"))
+  execute = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(execute)
+  for name in NOTEBOOKS:
+    png = execute.headline_png(nbformat.read(os.path.join(NB_DIR, name), as_version=4))
+    assert png is not None, f"{name}: no cell tagged 'headline' with a figure"
+    path = os.path.join(ROOT, "docs", "figures", name.replace(".ipynb", ".png"))
+    with open(path, "rb") as f:
+      assert f.read() == png, f"{path} differs from {name}'s headline figure: " \
+                              "python notebooks/execute.py --figures"
