@@ -66,7 +66,7 @@ def lr_schedule(learning_rate: float, *, total_steps: int, lr_warmup_steps: int,
 
 def make_optimizer(learning_rate: float | optax.Schedule, *, weight_decay: float,
                    b1: float, b2: float, grad_clip: float,
-                   max_consecutive_nonfinite: int, eps: float = 1e-8) -> optax.GradientTransformation:
+                   max_consecutive_nonfinite: int, eps: float) -> optax.GradientTransformation:
   """AdamW with global-norm clipping and a learning-rate schedule (optax), skipping
   non-finite updates.
 
@@ -74,7 +74,7 @@ def make_optimizer(learning_rate: float | optax.Schedule, *, weight_decay: float
   ``optax.apply_if_finite`` drops an update whose gradients hold a NaN or Inf (params and the
   inner optimizer state stay as they were, so the schedule does not advance either) and
   counts it in the state (``notfinite_count``, ``total_notfinite``). ``eps`` is Adam's ε
-  (``train.eps``; 1e-8, optax's and torch's default). After
+  (``train.eps``). After
   ``max_consecutive_nonfinite`` skips in a row it would apply the next one anyway; the
   trainer stops the run before that (docs/architecture.md).
   """

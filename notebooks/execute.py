@@ -35,13 +35,20 @@ def headline_png(nb) -> bytes | None:
   return None
 
 
+def figure_path(name: str) -> str:
+  """``docs/figures/<stem>.png`` for notebook ``name`` (e.g. ``paper_claims.ipynb``)."""
+  return os.path.join(FIGURE_DIR, os.path.splitext(name)[0] + ".png")
+
+
 def export_figure(name: str, nb=None) -> None:
-  """Writes ``docs/figures/<stem>.png`` from the saved notebook's headline cell (if it has one)."""
-  nb = nb or nbformat.read(os.path.join(NB_DIR, name), as_version=4)
+  """Writes :func:`figure_path` from the notebook's headline cell (if it has one); ``nb`` is the
+  notebook in memory, else the saved file is read."""
+  if nb is None:
+    nb = nbformat.read(os.path.join(NB_DIR, name), as_version=4)
   png = headline_png(nb)
   if png is not None:
     os.makedirs(FIGURE_DIR, exist_ok=True)
-    with open(os.path.join(FIGURE_DIR, os.path.splitext(name)[0] + ".png"), "wb") as f:
+    with open(figure_path(name), "wb") as f:
       f.write(png)
 
 

@@ -53,7 +53,7 @@ def test_readme_figures_are_the_notebooks_headline_figures():
   for name in NOTEBOOKS:
     png = execute.headline_png(nbformat.read(os.path.join(NB_DIR, name), as_version=4))
     assert png is not None, f"{name}: no cell tagged 'headline' with a figure"
-    path = os.path.join(ROOT, "docs", "figures", name.replace(".ipynb", ".png"))
+    path = execute.figure_path(name)
     with open(path, "rb") as f:
       assert f.read() == png, f"{path} differs from {name}'s headline figure: " \
                               "python notebooks/execute.py --figures"
