@@ -2,11 +2,12 @@
 import setuptools
 
 CORE = [
-    # Tested with jax 0.10.2 / flax 0.12.8 (the newest releases on PyPI when pinned); any jax 0.10.x
-    # is accepted so a runtime that ships one (e.g. Colab) keeps its own build. Older jax/flax
-    # lines were not tested, so they are not allowed.
-    "jax>=0.10,<0.11",
-    "flax>=0.12,<0.13",
+    # Tested with jax 0.10.2 / flax 0.12.8 (the newest releases for Python 3.11 when pinned). jax
+    # 0.11.x is admitted for the CUDA image of the GPU machines (jax 0.11.2, Python 3.12), whose own
+    # build is kept; a runtime that ships a jax 0.10/0.11 (e.g. Colab) keeps its build too.
+    # Older jax/flax lines were not tested, so they are not allowed.
+    "jax>=0.10,<0.12",
+    "flax>=0.12,<0.14",
     "optax>=0.2.5",
     "orbax-checkpoint>=0.11",
     "ml-collections>=1.0",
@@ -17,7 +18,10 @@ CORE = [
     "bm25s>=0.2.10",
     "rapidfuzz>=3.9",  # exact LCS bound for similarity anchors (C++)
     "safetensors>=0.4",
+    "gguf>=0.10",  # gigrl-fetch: reads and dequantizes llama.cpp GGUF checkpoints
+    "huggingface_hub>=0.23",  # model.hf_path as a hub id (snapshot_download)
     "tokenizers>=0.20",
+    "jinja2>=3.1",  # renders a checkpoint's own chat template (data/hf_tokenizer.py)
     "tqdm>=4.66",
     "numpy>=1.26",
     "matplotlib>=3.8",
@@ -28,7 +32,8 @@ CORE = [
 # pytest-xdist: the suite runs one worker per core (pytest.ini: -n auto --dist loadfile).
 TEST = ["pytest>=8", "pytest-xdist>=3.7", "hypothesis>=6.100", "nbclient>=0.10",
         "nbformat>=5.10", "ipykernel>=6.29"]
-HF = ["torch==2.13.0", "transformers>=4.50"]
+# accelerate: transformers' own GGUF loader needs it (the GGUF parity tests' reference).
+HF = ["torch==2.13.0", "transformers>=4.50", "accelerate>=1.0"]
 
 setuptools.setup(
     name="gigrl",
@@ -49,6 +54,7 @@ setuptools.setup(
             "gigrl-serve-retriever=gigrl.search.server:run",
             "gigrl-eval=gigrl.eval_cli:run",
             "gigrl-sweep=gigrl.sweep:run",
+            "gigrl-fetch=gigrl.models.fetch:run",
         ]
     },
 )

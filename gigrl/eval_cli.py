@@ -63,7 +63,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   src.add_argument("--hf_path", help="a Hugging Face checkpoint directory (config.json)")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   p.add_argument("--config", default=None,
-                 help="config file for --hf_path runs (default: gigrl.config.base_config)")
+                 help="FILE[:PRESET] config for --hf_path runs (default: gigrl.config.base_config)")
   p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                  help="override a config field (repeatable), e.g. --set rollout.max_turns=4")
   p.add_argument("--datasets", required=True,
@@ -216,14 +216,16 @@ def load_policy(args: argparse.Namespace):
   from gigrl import config as config_lib
   from gigrl.config_utils import UserError
   from gigrl.data import tokenizer as tok_lib
+  from gigrl.models import fetch
   from gigrl.models import sharding as sharding_lib
   # pylint: enable=g-import-not-at-top
   cfg = config_lib.base_config()
   if args.config:
-    if not os.path.isfile(args.config):
-      raise UserError(f"--config {args.config}: no such file")
+    path, _, preset = args.config.partition(":")   # FILE[:PRESET], as gigrl-train's --config
+    if not os.path.isfile(path):
+      raise UserError(f"--config {path}: no such file")
     import runpy  # pylint: disable=g-import-not-at-top
-    cfg = runpy.run_path(args.config)["get_config"]()
+    cfg = runpy.run_path(path)["get_config"](preset or None)
   step, meta = None, {}
   if args.workdir:
     ckdir = os.path.join(args.workdir, "checkpoints")
@@ -241,10 +243,8 @@ def load_policy(args: argparse.Namespace):
         meta=ocp.args.JsonRestore())).meta)
     _merge(cfg, meta.get("config") or {})
   else:
-    hf = args.hf_path
-    if not os.path.isfile(os.path.join(hf, "config.json")):
-      raise UserError(f"--hf_path {hf}: not a Hugging Face checkpoint directory (no "
-                      "config.json)")
+    hf = fetch.resolve_hf_path(args.hf_path, "--hf_path")
+    fetch.check_hf_path(hf, "--hf_path")
     cfg.model.hf_path = hf
     if cfg.data.tokenizer == "bundled":
       cfg.data.tokenizer = hf
@@ -291,6 +291,7 @@ def run_set(engine, params, es: EvalSet, *, samples: int, ks: Sequence[int], see
   # pylint: disable=g-import-not-at-top
   import jax
   import numpy as np
+  from tqdm import tqdm
   from gigrl import evaluate as evaluate_lib
   # pylint: enable=g-import-not-at-top
   hops = evaluate_lib.question_hops(es.hops_files)
@@ -299,6 +300,8 @@ def run_set(engine, params, es: EvalSet, *, samples: int, ks: Sequence[int], see
   qs = es.questions
   width = max(rows_multiple, (min(batch_size, len(qs)) + rows_multiple - 1)
               // rows_multiple * rows_multiple)
+  bar = tqdm(total=samples * len(qs), desc=f"gigrl-eval {es.name}", unit="rollout",
+             dynamic_ncols=True, file=sys.stderr)
   for s in range(samples):
     results = []
     for b in range(0, len(qs), width):
@@ -307,7 +310,10 @@ def run_set(engine, params, es: EvalSet, *, samples: int, ks: Sequence[int], see
       key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), s), b)
       batch, _ = engine.run(params, [q.question for q in padded], key)
       results += evaluate_lib.score(chunk, batch, hops)
+      bar.update(len(chunk))
+      bar.set_postfix(em=f"{np.mean([r.em for r in results]):.3f}")
     per_sample.append(results)
+  bar.close()
   flat = [r for rs in per_sample for r in rs]
   m = evaluate_lib.aggregate(flat)
   m["eval/n"] = float(len(qs))

@@ -5,7 +5,10 @@
   rollout with it searches, answers and ends turns at different steps;
 * :func:`write_bpe_tokenizer`: a small byte-level BPE ``tokenizer.json`` in the Qwen2 style
   (pre-tokenizer regex, ByteLevel, ``<|im_start|>``/``<|im_end|>`` chat template) in which the
-  Search-R1 tags are several tokens each, as in the real Qwen2.5 and Llama 3 tokenizers.
+  Search-R1 tags are several tokens each, as in the real Qwen2.5 and Llama 3 tokenizers;
+* :func:`write_tiny_gguf`: a tiny llama.cpp GGUF file (Llama architecture, block-quantized
+  tensors, RoPE-permuted Q/K rows, byte-level BPE vocabulary and ChatML template in the
+  metadata), laid out as `convert_hf_to_gguf.py` writes SmolLM2.
 """
 from __future__ import annotations
 
@@ -152,6 +155,141 @@ def write_bpe_tokenizer(directory: str, vocab_size: int = 1024,
     json.dump({"eos_token_id": [tok.token_to_id("<|im_end|>"),
                                 tok.token_to_id("<|endoftext|>")]}, f)
   return directory
+
+
+# --------------------------------------------------------------------------- tiny GGUF file
+
+_GGUF_TEXTS = (
+    "Who wrote Hamlet in 1603? <search> hamlet author </search> <answer> Shakespeare </answer>",
+    "The river flows 6,650 km through 11 countries; it was mapped in 1858 and 1899.",
+    "<think> I need to find more information. </think> The city had 2024 people in 2019.",
+    "Paris is the capital of France, and 42 is the answer to everything 0123456789.",
+)
+
+
+def _permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+  """llama.cpp `convert_hf_to_gguf.LlamaModel.permute`: HF rotate-half rows -> interleaved."""
+  return (w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
+          .swapaxes(1, 2).reshape(w.shape))
+
+
+def write_tiny_gguf(path: str, *, pre: str = "smollm", split_digits: bool = True,
+                    vocab_size: int = 384, seed: int = 0) -> dict:
+  """Writes a tiny Llama GGUF file the way llama.cpp's converter writes SmolLM2.
+
+  2 layers, d_model 64, 4 query / 2 KV heads of 16, FFN 128, tied embeddings (no
+  `output.weight`), RoPE base 1e5. `attn_q` / `attn_k` rows are permuted as
+  `convert_hf_to_gguf.py` does; the 2-D tensors are stored as Q8_0, Q4_1, F16 or F32 (both
+  Q and K of each kind), the norms F32. The tokenizer is a byte-level BPE trained here
+  (`tokenizer.ggml.model` "gpt2", `tokenizer.ggml.pre` = `pre`) with `<|endoftext|>`,
+  `<|im_start|>`, `<|im_end|>` as ids 0-2 (CONTROL; unk, bos, eos = pad) and the ChatML
+  :data:`CHAT_TEMPLATE`.
+
+  Args:
+    path: the `.gguf` file to write.
+    pre: `tokenizer.ggml.pre`.
+    split_digits: train the BPE on digits split one by one (as SmolLM2's was), so no merge
+      joins digits; False learns multi-digit merges.
+    vocab_size: BPE vocabulary size (special tokens included).
+    seed: the random weights.
+  Returns:
+    `{"path", "tensors": {HF name: f32 array in HF layout, as the file's values dequantize
+    (computed without llama.cpp's permutation, so a wrong un-permutation differs)},
+    "tokenizer": the trained `tokenizers.Tokenizer`, "tokens": the vocabulary by id}`.
+  """
+  import gguf  # pylint: disable=import-outside-toplevel
+  from gguf import quants  # pylint: disable=import-outside-toplevel
+  from tokenizers import (Regex, Tokenizer, decoders, models,  # pylint: disable=import-outside-toplevel
+                          pre_tokenizers, trainers)
+  d, layers, heads, kv_heads, head_dim, ffn = 64, 2, 4, 2, 16, 128
+  tok = Tokenizer(models.BPE())
+  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  tok.pre_tokenizer = (pre_tokenizers.Sequence(
+      [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), byte_level])
+                       if split_digits else byte_level)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(CHAT_SPECIAL),
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                show_progress=False)
+  tok.train_from_iterator(list(_GGUF_TEXTS) * 20 + _bpe_texts()[:200], trainer)
+  n_vocab = tok.get_vocab_size(with_added_tokens=True)
+  tokens = [tok.id_to_token(i) for i in range(n_vocab)]
+  merges = [m if isinstance(m, str) else " ".join(m)
+            for m in json.loads(tok.to_str())["model"]["merges"]]
+
+  rng = np.random.RandomState(seed)
+  q_types = [gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0]
+  other = [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1,
+           gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32]
+  shapes = {"attn_q": (heads * head_dim, d), "attn_k": (kv_heads * head_dim, d),
+            "attn_v": (kv_heads * head_dim, d), "attn_output": (d, heads * head_dim),
+            "ffn_gate": (ffn, d), "ffn_up": (ffn, d), "ffn_down": (d, ffn)}
+  hf_names = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+  entries = [("token_embd.weight", "model.embed_tokens.weight",
+              0.5 * rng.randn(n_vocab, d), gguf.GGMLQuantizationType.Q8_0, None),
+             ("output_norm.weight", "model.norm.weight", 1 + 0.1 * rng.randn(d),
+              gguf.GGMLQuantizationType.F32, None)]
+  for i in range(layers):
+    hf = f"model.layers.{i}"
+    entries.append((f"blk.{i}.attn_norm.weight", f"{hf}.input_layernorm.weight",
+                    1 + 0.1 * rng.randn(d), gguf.GGMLQuantizationType.F32, None))
+    entries.append((f"blk.{i}.ffn_norm.weight", f"{hf}.post_attention_layernorm.weight",
+                    1 + 0.1 * rng.randn(d), gguf.GGMLQuantizationType.F32, None))
+    for j, (name, shape) in enumerate(shapes.items()):
+      scale = 0.3 if name in ("attn_q", "attn_k") else 0.15
+      qtype = (q_types[(i + j) % 2] if i == 0 else gguf.GGMLQuantizationType.F32
+               ) if name in ("attn_q", "attn_k") else other[(i + j) % len(other)]
+      perm = heads if name == "attn_q" else kv_heads if name == "attn_k" else None
+      entries.append((f"blk.{i}.{name}.weight", f"{hf}.{hf_names[name]}.weight",
+                      scale * rng.randn(*shape), qtype, perm))
+
+  writer = gguf.GGUFWriter(path, "llama")
+  writer.add_name("tiny-llama")
+  writer.add_context_length(256)
+  writer.add_embedding_length(d)
+  writer.add_block_count(layers)
+  writer.add_feed_forward_length(ffn)
+  writer.add_head_count(heads)
+  writer.add_head_count_kv(kv_heads)
+  writer.add_rope_freq_base(1e5)
+  writer.add_layer_norm_rms_eps(1e-5)
+  writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+  writer.add_vocab_size(n_vocab)
+  writer.add_rope_dimension_count(head_dim)
+  writer.add_add_space_prefix(False)
+  writer.add_add_bos_token(False)
+  writer.add_tokenizer_model("gpt2")
+  writer.add_tokenizer_pre(pre)
+  writer.add_token_list(tokens)
+  writer.add_token_types([gguf.TokenType.CONTROL if t in CHAT_SPECIAL else
+                          gguf.TokenType.NORMAL for t in tokens])
+  writer.add_token_merges(merges)
+  writer.add_bos_token_id(tok.token_to_id("<|im_start|>"))
+  writer.add_eos_token_id(tok.token_to_id("<|im_end|>"))
+  writer.add_unk_token_id(tok.token_to_id("<|endoftext|>"))
+  writer.add_pad_token_id(tok.token_to_id("<|im_end|>"))
+  writer.add_chat_template(CHAT_TEMPLATE)
+  writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+  expected = {}
+  for name, hf_name, w, qtype, perm in entries:
+    w = w.astype(np.float32)
+    stored = w if perm is None else _permute_qk(w, perm)
+    if qtype == gguf.GGMLQuantizationType.F32:
+      writer.add_tensor(name, stored)
+      expected[hf_name] = w
+    elif qtype == gguf.GGMLQuantizationType.F16:
+      writer.add_tensor(name, stored.astype(np.float16))
+      expected[hf_name] = w.astype(np.float16).astype(np.float32)
+    else:  # blocks of 32 along each row: quantizing commutes with permuting rows
+      writer.add_tensor(name, quants.quantize(stored, qtype), raw_dtype=qtype)
+      expected[hf_name] = quants.dequantize(quants.quantize(w, qtype), qtype).reshape(w.shape)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return {"path": path, "tensors": expected, "tokenizer": tok, "tokens": tokens}
 
 
 def cache_compiles_on_every_process() -> bool:

@@ -250,13 +250,12 @@ def main(argv: list[str]) -> None:
   cfg = FLAGS.config
   try:
     check_writable_dir(FLAGS.workdir, "--workdir")
+    from gigrl.models import fetch  # pylint: disable=g-import-not-at-top
+    fetch.resolve_hub_ids(cfg)               # hub ids -> local snapshots (huggingface_hub)
     config_lib.validate(cfg)
     if cfg.data.tfds_dir:
       check_writable_dir(cfg.data.tfds_dir, "data.tfds_dir")
-    hf = cfg.model.hf_path
-    if hf and "://" not in hf and not os.path.isfile(os.path.join(hf, "config.json")):
-      raise ConfigError("model.hf_path", hf, "a Hugging Face checkpoint directory (with "
-                        f"config.json; {hf} has none)")
+    fetch.check_hf_path(cfg.model.hf_path)
     if cfg.search.backend == "http":         # a server that is down: stop before the build
       from gigrl import search  # pylint: disable=g-import-not-at-top
       search.make_retriever(cfg.search)      # health check (the trainer builds its own)
