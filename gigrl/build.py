@@ -62,10 +62,12 @@ def load_data(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike) -> 
 
   Raises:
     ConfigError: an unknown name in ``data.train_sources``; no training question left; a
-      question in both the train and the eval split (a leak).
+      question in both the train and the eval split (a leak); a ``rollout`` token budget this
+      tokenizer's texts do not fit (:func:`gigrl.rollout.turns.check_settings`).
   """
   d = cfg.data
   tokenizer = tok_lib.load(d.tokenizer)
+  turns_lib.check_settings(tokenizer, rollout_settings(cfg))   # budgets vs this tokenizer
   tfds_dir = d.tfds_dir or str(epath.Path(workdir) / "tfds")
   files = [d.questions_file] if d.questions_file else None
   # Process 0 builds the TFDS dataset; the others wait, then open the finished build (two

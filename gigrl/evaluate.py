@@ -200,6 +200,19 @@ def aggregate(results: Sequence[EvalResult], prefix: str = "eval") -> dict[str, 
   return out
 
 
+def by_hop(metrics: Mapping[str, Any], prefix: str = "eval") -> str:
+  """``" (1-hop 0.857 of 42, 2-hop 0.091 of 22)"``: EM per hops subset of :func:`aggregate`'s
+  metrics, for log lines; ``""`` when the questions carry no hops."""
+  hops = sorted(int(k.rsplit("=", 1)[1]) for k in metrics
+                if k.startswith(f"{prefix}/em/hops="))
+  if not hops:
+    return ""
+  n = metrics.get(f"{prefix}/n", 0)
+  parts = [f"{h}-hop {metrics[f'{prefix}/em/hops={h}']:.3f} of "
+           f"{round(n * metrics.get(f'{prefix}/share/hops={h}', 0))}" for h in hops]
+  return " (" + ", ".join(parts) + ")"
+
+
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
   """Unbiased pass@k from ``num_correct`` of ``num_samples`` samples being right: 1 − C(n−c,
   k)/C(n, k) (Chen et al. 2021, eq. 1).

@@ -513,6 +513,7 @@ class Trainer:
         "response_tokens_mean": gen_tokens / len(batch.lengths),
         "trained_groups": int(valid.sum()),
         "step_time_s": time.perf_counter() - t_start,
+        "time/rollout_s": t_roll, "time/update_s": t_train,
         **{k: v for k, v in lm.items() if k not in ("loss", "kl")},
         # the advantage's own zero-variance share covers the trained groups only
         **{("adv/" + k if k == "zero_variance_frac" else k): float(v)
@@ -577,7 +578,7 @@ class Trainer:
     self.out.write_metrics({"step": step, "phase": "eval", **metrics})
     self._write_samples(f"eval_{step:06d}.txt", step, batch, qs, [r.em for r in results],
                         n=8, g=1)
-    _log(f"step {step}: held-out EM {metrics['eval/em']:.3f} "
+    _log(f"step {step}: held-out EM {metrics['eval/em']:.3f}{evaluate_lib.by_hop(metrics)} "
          f"(F1 {metrics['eval/f1']:.3f}, {metrics['eval/search_calls_mean']:.2f} searches)")
 
   def _final_eval(self, step: int) -> None:
@@ -589,10 +590,12 @@ class Trainer:
     self.out.write_json("eval.json", {"step": step, **metrics})
     self._write_samples("eval_samples.txt", step, batch, qs, [r.em for r in results], n=8,
                         g=1)
-    _log(f"eval on {len(qs)} held-out questions: EM {metrics['eval/em']:.3f}")
+    _log(f"eval on {len(qs)} held-out questions: EM {metrics['eval/em']:.3f}"
+         f"{evaluate_lib.by_hop(metrics)}")
     start = [r for r in (metrics_lib.read_metrics(self.out.metrics_path)
                          if self.out.enabled and self.out.metrics_path.exists() else [])
              if r.get("phase") == "eval" and r["step"] == self.cfg.train.sft_steps]
     if start and step > self.cfg.train.sft_steps:
-      _log(f"held-out EM: {start[-1]['eval/em']:.3f} at the start of RL (step "
-           f"{start[-1]['step']}) -> {metrics['eval/em']:.3f} at step {step}")
+      _log(f"held-out EM: {start[-1]['eval/em']:.3f}{evaluate_lib.by_hop(start[-1])} at the "
+           f"start of RL (step {start[-1]['step']}) -> {metrics['eval/em']:.3f}"
+           f"{evaluate_lib.by_hop(metrics)} at step {step}")

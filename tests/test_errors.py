@@ -52,6 +52,15 @@ def _cli_cases(tmp):
                          r"\(unknown: nosuchset\)"),
       "hf_path_missing": (base + [f"--config.model.hf_path={tmp}"],
                           r"'model\.hf_path' .*config\.json"),
+      "obs_budget": (base + ["--config.rollout.max_obs_tokens=8"],
+                     r"'rollout\.max_obs_tokens' has bad value 8; allowed: at least \d+: the "
+                     r"invalid-action message is \d+ tokens with this tokenizer"),
+      "prompt_budget": (base + ["--config.rollout.max_prompt_tokens=24"],
+                        r"'rollout\.max_prompt_tokens' has bad value 24; allowed: more than "
+                        r"\d+: the chat template and instruction alone"),
+      "hub_id_offline": (base + ["--config.model.hf_path=nosuch-org/nosuch-model"],
+                         r"'model\.hf_path' has bad value 'nosuch-org/nosuch-model'; allowed: a "
+                         r"local checkpoint directory or a hub id that can be downloaded"),
       "server_down": (base + ["--config.search.backend=http", "--config.search.max_retries=0",
                               "--config.search.on_failure=empty",
                               "--config.search.url=http://127.0.0.1:9/retrieve"],
@@ -65,7 +74,8 @@ def cli_results(request, tmp_path_factory):
   wanted = {item.callspec.params["name"] for item in request.session.items
             if getattr(item, "originalname", "") == "test_cli_error_is_one_line_with_exit_2"}
   tmp = tmp_path_factory.mktemp("cli")
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1",
+         "HF_HUB_CACHE": str(tmp / "hf_hub")}      # hub ids resolve offline, from an empty cache
   cases = _cli_cases(tmp)
   assert set(cases) == set(CLI_CASES)
   procs = {name: (subprocess.Popen([sys.executable, "-m", "gigrl.train", *argv], cwd=tmp,
@@ -81,8 +91,8 @@ def cli_results(request, tmp_path_factory):
 
 CLI_CASES = ("unknown_field", "unknown_section", "missing_config", "config_raises", "bad_value",
              "no_workdir", "workdir_unwritable", "questions_empty", "unknown_source",
-             "hf_path_missing", "server_down")
-QUICK_CLI_CASES = ("unknown_field", "questions_empty")
+             "hf_path_missing", "obs_budget", "prompt_budget", "hub_id_offline", "server_down")
+QUICK_CLI_CASES = ("unknown_field", "questions_empty", "obs_budget")
 
 
 @pytest.mark.parametrize("name", [

@@ -8,8 +8,9 @@ template is applied
 the way Search-R1 does it (`tokenizer.apply_chat_template([{"role": "user",
 "content": prompt}], add_generation_prompt=True, tokenize=False)`):
 
-* if `tokenizer_config.json` carries a Jinja `chat_template` and jinja2 is
-  importable, that template is rendered with those arguments (exact HF behaviour);
+* if `tokenizer_config.json` carries a Jinja `chat_template` (or, as transformers >= 5 saves
+  it, a `chat_template.jinja` file lies beside it), that template is rendered with jinja2 with
+  those arguments (exact HF behaviour);
 * otherwise the Qwen2.5 format is used, with its default system message:
   `<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful
   assistant.<|im_end|>\\n<|im_start|>user\\n{prompt}<|im_end|>\\n<|im_start|>assistant\\n`.
@@ -36,6 +37,13 @@ def _token_str(tok: Any) -> str | None:
   if isinstance(tok, dict):
     return tok.get("content")
   return tok
+
+
+def _read_text(path: str) -> str | None:
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return f.read()
 
 
 def _read_json(path: str) -> dict:
@@ -80,7 +88,8 @@ class HFTokenizer:
     extra = gen.get("eos_token_id", [])
     extra = extra if isinstance(extra, list) else [extra]
     self.eos_ids = sorted({self.eos_id, *[int(i) for i in extra if i is not None]})
-    self.chat_template = self.config.get("chat_template")
+    self.chat_template = self.config.get("chat_template") or _read_text(
+        os.path.join(root, "chat_template.jinja"))   # where transformers >= 5 saves it
 
   def _first_present(self, tokens: Sequence[str]) -> str | None:
     for t in tokens:
@@ -117,18 +126,14 @@ class HFTokenizer:
   def apply_chat_template(self, user_message: str) -> str:
     """One user message + generation prompt, as Search-R1 builds its prompts."""
     if self.chat_template:
-      try:
-        import jinja2  # pylint: disable=g-import-not-at-top
-      except ImportError:
-        jinja2 = None
-      if jinja2 is not None:
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True,
-                                 extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = _raise
-        return env.from_string(self.chat_template).render(
-            messages=[{"role": "user", "content": user_message}],
-            add_generation_prompt=True, bos_token=self.bos_token,
-            eos_token=self.tok.id_to_token(self.eos_id))
+      import jinja2  # pylint: disable=g-import-not-at-top  (a core dependency)
+      env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True,
+                               extensions=["jinja2.ext.loopcontrols"])
+      env.globals["raise_exception"] = _raise
+      return env.from_string(self.chat_template).render(
+          messages=[{"role": "user", "content": user_message}],
+          add_generation_prompt=True, bos_token=self.bos_token,
+          eos_token=self.tok.id_to_token(self.eos_id))
     return qwen_chat(user_message)
 
   def pad(self, seqs: Sequence[Sequence[int]], length: int | None = None, *,

@@ -158,8 +158,9 @@ class CallbackEngine:
       obs_chunk: rows per observation ``extend`` (see :meth:`_insert`); 0 = auto: the whole
         local batch for ``'turn'``, ceil(b/8) rows for ``'step'``.
     Raises:
-      ValueError: the invalid-action message is longer than ``settings.max_obs_tokens``, or an
-        unknown ``boundary``.
+      ValueError: an unknown ``boundary``.
+      ConfigError: a token budget of ``settings`` that this tokenizer's texts do not fit
+        (:func:`gigrl.rollout.turns.check_settings`).
     """
     if boundary not in ("turn", "step"):
       raise ValueError(f"boundary={boundary!r}; expected 'turn' or 'step'")
@@ -169,10 +170,8 @@ class CallbackEngine:
     self.model_cfg, self.graphdef = model_cfg, graphdef
     self.tok, self.retriever, self.s = tokenizer, retriever, settings
     self.stops = turns.stop_sequences(tokenizer)
+    turns.check_settings(tokenizer, settings)
     self.invalid_ids = traj_lib.invalid_observation_ids(tokenizer)
-    if len(self.invalid_ids) > settings.obs_width:
-      raise ValueError(f"rollout.max_obs_tokens={settings.max_obs_tokens} is smaller than the "
-                       f"invalid-action message ({len(self.invalid_ids)} tokens)")
     self.mesh = row_mesh(mesh)
     self._batch_spec = P(ROW_AXIS)
     self._runs: dict[int, _RunState] = {}

@@ -38,17 +38,16 @@ class HostLoopEngine:
     defaults to all devices on 'fsdp'.
 
     Raises:
-      ValueError: the invalid-action message is longer than ``settings.max_obs_tokens``.
+      ConfigError: a token budget of ``settings`` that this tokenizer's texts do not fit
+        (:func:`gigrl.rollout.turns.check_settings`).
     """
     if mesh is None and jax.process_count() > 1:
       mesh = sharding_lib.make_mesh()
     self.model_cfg, self.graphdef, self.mesh = model_cfg, graphdef, mesh
     self.tok, self.retriever, self.s = tokenizer, retriever, settings
     self.stops = turns.stop_sequences(tokenizer)
+    turns.check_settings(tokenizer, settings)
     self.invalid_ids = traj_lib.invalid_observation_ids(tokenizer)
-    if len(self.invalid_ids) > settings.obs_width:
-      raise ValueError(f"rollout.max_obs_tokens={settings.max_obs_tokens} is smaller than the "
-                       f"invalid-action message ({len(self.invalid_ids)} tokens)")
 
   def run(self, params, questions: Sequence[str], key: jax.Array
           ) -> tuple[traj_lib.TrajectoryBatch, dict[str, float]]:

@@ -13,8 +13,10 @@ import jax
 import numpy as np
 
 from gigrl import tags
+from gigrl.config_utils import ConfigError
 from gigrl.rollout import protocol
-from gigrl.rollout.trajectory import TrajectoryBuilder, search_observations
+from gigrl.rollout.trajectory import (TrajectoryBuilder, invalid_observation_ids,
+                                     search_observations)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +117,33 @@ def stop_sequences(tokenizer) -> np.ndarray:
   seqs += [[int(i)] for i in eos]
   width = max(len(q) for q in seqs)
   return np.array([[-1] * (width - len(q)) + q for q in seqs], np.int32)
+
+
+def check_settings(tokenizer, settings: RolloutSettings) -> None:
+  """Start-up check that the rollout's token budgets fit this tokenizer's texts.
+
+  Raises:
+    ConfigError: naming ``rollout.max_obs_tokens`` when the invalid-action message does not fit
+      one observation; ``rollout.max_new_tokens`` when a turn cannot hold a stop tag (the
+      ``</search>`` / ``</answer>`` tokens); ``rollout.max_prompt_tokens`` when the prompt of an
+      empty question (chat template and Search-R1 instruction alone) does not fit.
+  """
+  n = len(invalid_observation_ids(tokenizer))
+  if n > settings.max_obs_tokens:
+    raise ConfigError("rollout.max_obs_tokens", settings.max_obs_tokens,
+                      f"at least {n}: the invalid-action message is {n} tokens with this "
+                      "tokenizer")
+  for tag in tags.ACTION_ENDS:
+    need = min((len(v) for v in tag_token_variants(tokenizer, tag)), default=0)
+    if need >= settings.max_new_tokens:
+      raise ConfigError("rollout.max_new_tokens", settings.max_new_tokens,
+                        f"more than {need}: the stop tag {tag!r} is {need} tokens with this "
+                        "tokenizer")
+  n = len(prompt_ids(tokenizer, ""))
+  if n >= settings.max_prompt_tokens:
+    raise ConfigError("rollout.max_prompt_tokens", settings.max_prompt_tokens,
+                      f"more than {n}: the chat template and instruction alone are {n} "
+                      "tokens with this tokenizer")
 
 
 def tag_tail_length(tokenizer, ids: Sequence[int], tag: str) -> int:
