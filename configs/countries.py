@@ -91,6 +91,7 @@ def _smollm2(cfg, short: bool):
   cfg.loss.use_kl_loss = False          # no reference forward pass (Dr. GRPO / DAPO drop the KL)
   cfg.train.eval_every = 10
   cfg.train.eval_questions = 300         # 300 held-out questions: 172 1-hop, 128 2-hop
+  cfg.train.eval_batch_size = 64         # 64 rows of KV cache at a time (300 at once: ~9 GB)
   cfg.checkpoint.every_steps = 5
   if short:                              # the README's main job: a demonstration, not a claim
     cfg.train.num_steps = 3

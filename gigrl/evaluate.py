@@ -25,7 +25,7 @@ import collections
 import dataclasses
 import json
 import math
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -135,7 +135,8 @@ def score(questions: Sequence[Any], batch, hops: Mapping[str, int] | None = None
 
 
 def evaluate(engine, params, questions: Sequence[Any], key: jax.Array | None = None, *,
-             hops: Mapping[str, int] | None = None
+             hops: Mapping[str, int] | None = None, batch_size: int = 0,
+             log: Callable[[str], None] | None = None
              ) -> tuple[list[EvalResult], dict[str, float], Any]:
   """Rolls out ``questions`` once each and scores them.
 
@@ -146,17 +147,33 @@ def evaluate(engine, params, questions: Sequence[Any], key: jax.Array | None = N
     questions: see :func:`score`.
     key: PRNG key for sampled evaluation (default ``jax.random.key(0)``).
     hops: see :func:`score`.
+    batch_size: rollouts per ``engine.run`` call (0 = all questions in one): the KV cache
+      grows with the rows, so a large set is rolled out in chunks of this many (the last one
+      padded by repeating its last question, so every call has one shape; chunk ``c`` uses
+      ``fold_in(key, c)``, chunk 0 ``key`` itself).
+    log: called with a progress line after each chunk (when there is more than one).
   Returns:
     (results, metrics, batch): per-question :class:`EvalResult` in input order; aggregate
-    metrics (:func:`aggregate`; empty for no questions); the rollout's
-    :class:`~gigrl.rollout.trajectory.TrajectoryBatch` (None for no questions).
+    metrics (:func:`aggregate`; empty for no questions); the first chunk's
+    :class:`~gigrl.rollout.trajectory.TrajectoryBatch` (its rows are the first questions';
+    None for no questions).
   """
   if not questions:
     return [], {}, None
   key = jax.random.key(0) if key is None else key
-  batch, _ = engine.run(params, [q.question for q in questions], key)
-  results = score(questions, batch, hops)
-  return results, aggregate(results), batch
+  width = len(questions) if not batch_size else min(int(batch_size), len(questions))
+  results, first = [], None
+  for c, b in enumerate(range(0, len(questions), width)):
+    chunk = list(questions[b:b + width])
+    padded = chunk + [chunk[-1]] * (width - len(chunk))
+    batch, _ = engine.run(params, [q.question for q in padded],
+                          key if c == 0 else jax.random.fold_in(key, c))
+    results += score(chunk, batch, hops)
+    first = batch if first is None else first
+    if log is not None and width < len(questions):
+      log(f"{len(results)}/{len(questions)} questions, EM so far "
+          f"{np.mean([r.em for r in results]):.3f}")
+  return results, aggregate(results), first
 
 
 def subsets(r: EvalResult) -> list[str]:

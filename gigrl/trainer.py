@@ -564,10 +564,12 @@ class Trainer:
                [os.path.join(qa_lib.bundled_dir(), f) for f in qa_lib.BUNDLED_QUESTION_FILES])
       self._hops = evaluate_lib.question_hops(files)
     qs = self._eval_questions()
+    _log(f"step {step}: evaluating {len(qs)} held-out questions (greedy rollouts) ...")
     t0 = time.perf_counter()
     results, metrics, batch = evaluate_lib.evaluate(
         self._eval_engine, self.policy.rollout_params(self.state.params), qs,
-        jax.random.key(0), hops=self._hops)
+        jax.random.key(0), hops=self._hops, batch_size=int(self.cfg.train.eval_batch_size),
+        log=lambda msg: _log(f"step {step}: eval {msg}"))
     self._last_eval = (step, qs, results, {**metrics, "eval/time_s":
                                            time.perf_counter() - t0}, batch)
     return self._last_eval

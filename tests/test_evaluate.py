@@ -55,6 +55,34 @@ def test_evaluate_per_question_and_aggregate():
   assert evaluate.evaluate(engine, "PARAMS", []) == ([], {}, None)
 
 
+class ByQuestionEngine(FakeEngine):
+  """Each row's turns follow its question (not its position), as a real engine's do."""
+
+  def run(self, params, questions, key):
+    self.calls.append((params, list(questions)))
+    texts = [q.question for q in QS]
+    builders = []
+    for q in questions:
+      tb = traj_lib.TrajectoryBuilder()
+      tb.add_prompt([1], anchor="q")
+      for t in TURNS[texts.index(q)]:
+        tb.add_generation([2], t)
+      tb.search_calls = sum("<search>" in t for t in TURNS[texts.index(q)])
+      builders.append(tb)
+    return traj_lib.collate(builders, 8, 0), {}
+
+
+def test_evaluate_in_chunks_equals_one_call():
+  """train.eval_batch_size: fixed-width chunks (the last padded), the same results."""
+  whole = evaluate.evaluate(ByQuestionEngine(), "P", QS)
+  engine, lines = ByQuestionEngine(), []
+  results, m, batch = evaluate.evaluate(engine, "P", QS, batch_size=2, log=lines.append)
+  assert [len(c[1]) for c in engine.calls] == [2, 2]            # one shape: no recompiles
+  assert engine.calls[1][1] == [QS[2].question, QS[2].question]  # padded with the last one
+  assert results == whole[0] and m == whole[1]
+  assert batch.tokens.shape[0] == 2 and len(lines) == 2 and lines[-1].startswith("3/3")
+
+
 def test_eval_leak_is_an_error_naming_the_field():
   with pytest.raises(ConfigError) as e:
     build.check_no_leak(QS[:2], [Question("9", "Capital of  France?", ("x",), "geo")],

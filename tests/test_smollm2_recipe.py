@@ -2,6 +2,7 @@
 token-budget checks against the tokenizer, the chat template as transformers >= 5 saves it, and
 held-out EM by hop in the log lines."""
 import json
+import re
 import os
 import runpy
 
@@ -95,3 +96,36 @@ def test_em_by_hop_in_log_lines():
        "eval/em/hops=2": 0.091, "eval/share/hops=2": 22 / 64}
   assert evaluate.by_hop(m) == " (1-hop 0.857 of 42, 2-hop 0.091 of 22)"
   assert evaluate.by_hop({"eval/n": 3.0, "eval/em": 1.0}) == ""
+
+
+@pytest.mark.slow
+def test_recipe_end_to_end_on_a_tiny_gguf(tmp_path):
+  """configs/countries.py:smollm2-135m-short as it runs, with model.hf_path swapped for a tiny
+  GGUF converted by gigrl-fetch's code path: chat-templated prompts, SFT with 2-hop
+  demonstrations, recycling RL, held-out EM by hop at the start of RL and at the end."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  from gigrl.models import gguf  # pylint: disable=import-outside-toplevel
+  testing.write_tiny_gguf(str(tmp_path / "tiny.gguf"))
+  ckpt = gguf.gguf_to_hf(str(tmp_path / "tiny.gguf"), str(tmp_path / "ckpt"))["dir"]
+  workdir = tmp_path / "run"
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env.pop("XLA_FLAGS", None)     # one device
+  proc = subprocess.run(
+      [sys.executable, "-m", "gigrl.train", "--config", COUNTRIES + ":smollm2-135m-short",
+       "--workdir", str(workdir), f"--config.model.hf_path={ckpt}",
+       f"--config.data.tokenizer={ckpt}", "--config.train.sft_steps=2",
+       "--config.train.sft_batch_size=2", "--config.train.num_steps=1",
+       "--config.train.eval_every=1", "--config.train.eval_questions=4",
+       "--config.data.prompts_per_step=2", "--config.data.group_size=2",
+       "--config.rollout.max_new_tokens=24", "--config.rollout.max_prompt_tokens=640",
+       "--config.rollout.max_obs_tokens=400", "--config.checkpoint.every_steps=3"],
+      capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  rows = [json.loads(l) for l in open(workdir / "metrics.jsonl")]
+  assert [(r["step"], r["phase"]) for r in rows] == [
+      (1, "sft"), (2, "sft"), (2, "eval"), (3, "rl"), (3, "eval")]
+  rl = rows[3]
+  assert rl["time/rollout_s"] > 0 and rl["time/update_s"] >= 0
+  assert re.search(r"held-out EM: [\d.]+ \(1-hop [\d.]+ of \d+, 2-hop [\d.]+ of \d+\) at the "
+                   r"start of RL \(step 2\) -> [\d.]+ \(1-hop", proc.stderr), proc.stderr[-2000:]

@@ -143,15 +143,11 @@ def resolve_hf_path(value: str, field: str = "model.hf_path") -> str:
 
   Raises:
     ConfigError: naming `field`, when a hub id cannot be downloaded (no network, or
-      `HF_HUB_OFFLINE=1` with nothing in the cache) or huggingface_hub is not installed.
+      `HF_HUB_OFFLINE=1` with nothing in the cache).
   """
   if not value or not is_hub_id(value):
     return value
-  try:
-    from huggingface_hub import snapshot_download  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    raise ConfigError(field, value, "a local directory (hub ids need huggingface_hub: "
-                      "pip install huggingface_hub)") from None
+  from huggingface_hub import snapshot_download  # pylint: disable=g-import-not-at-top
   # huggingface_hub reads HF_HUB_OFFLINE / HF_HUB_CACHE once, when it is first imported
   # (transformers imports it early); read them again here so their values now count.
   offline = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
