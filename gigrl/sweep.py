@@ -280,7 +280,7 @@ def plot(summary: dict[str, Any], path: str) -> str | None:
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p = argparse.ArgumentParser(prog=PROG, description=(__doc__ or "").split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", required=True, help="gigrl-train config file")
+  p.add_argument("--config", required=True, help="gigrl-train config file (FILE[:PRESET])")
   p.add_argument("--workdir", required=True, help="the sweep's folder (one subfolder per run)")
   p.add_argument("--setting", action="append", default=[], required=True,
                  help="name:section.field=value,... (repeatable; one per grid point)")
@@ -300,8 +300,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str]) -> int:
   args = parse_args(argv)
   try:
-    if not os.path.isfile(args.config):
-      raise SweepError(f"--config {args.config}: no such file")
+    path, sep, preset = args.config.partition(":")     # FILE[:PRESET], as gigrl-train's
+    if not os.path.isfile(path):
+      raise SweepError(f"--config {path}: no such file")
+    config = os.path.abspath(path) + sep + preset
     settings = dict(parse_setting(s) for s in args.setting)
     if len(settings) != len(args.setting):
       raise SweepError("--setting: two settings have the same name")
@@ -325,7 +327,7 @@ def main(argv: Sequence[str]) -> int:
     print(f"[{PROG}] {msg}", file=sys.stderr, flush=True)
 
   def train_cmd(d, s, extra):
-    return [sys.executable, "-m", "gigrl.train", "--config", os.path.abspath(args.config),
+    return [sys.executable, "-m", "gigrl.train", "--config", config,
             "--workdir", os.path.abspath(d), f"--config.seed={s}", *common, *extra]
 
   warm = {s: os.path.join(args.workdir, "warm_start", f"seed_{s}") for s in seeds}

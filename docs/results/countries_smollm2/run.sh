@@ -27,7 +27,12 @@ ckpt=$(python -c 'from gigrl.models import fetch; print(fetch.default_dir("smoll
 [[ -f $RUNS/sft/eval.json ]] || gigrl-train --config $CFG --workdir "$RUNS/sft" \
     --config.train.num_steps=0 --config.train.eval_every=0
 
-# 2. Its sampled pass@k on the held-out 2-hop questions of the evaluation set: the ceiling that
+# 2. RL from the warm-start, one run per seed (gigrl-sweep: resumable, marks finished runs).
+gigrl-sweep --config $CFG --workdir "$RUNS/rl" --seeds "$SEEDS" \
+    --setting "grpo_recycle:train.num_steps=$STEPS" \
+    --set "train.init_from=$RUNS/sft" || true
+
+# 3. Its sampled pass@k on the held-out 2-hop questions of the evaluation set: the ceiling that
 #    sharpening alone could reach.
 if [[ ! -f $RUNS/passk/results.json ]]; then
   python - "$RUNS/heldout_2hop.jsonl" <<'EOF'
@@ -45,11 +50,6 @@ EOF
   gigrl-eval --workdir "$RUNS/sft" --config $CFG --datasets "heldout_2hop=$RUNS/heldout_2hop.jsonl" \
       --mode sample --samples 8 --k 1,4,8 --output "$RUNS/passk"
 fi
-
-# 3. RL from the warm-start, one run per seed (gigrl-sweep: resumable, marks finished runs).
-gigrl-sweep --config $CFG --workdir "$RUNS/rl" --seeds "$SEEDS" \
-    --setting "grpo_recycle:train.num_steps=$STEPS" \
-    --set "train.init_from=$RUNS/sft" || true
 
 # 4. The control: the same number of further SFT updates from the same start (the warm-start's
 #    checkpoint, its SFT optimizer state included), evaluated like the RL runs.
