@@ -86,6 +86,8 @@ def _smollm2(cfg, short: bool):
   # 2-hop share seeds the second search, without which pass@8 on 2-hop is 0 (no RL signal).
   cfg.train.sft_questions = countries.count_train_questions(hops=1) + 300
   cfg.train.num_steps = 40
+  cfg.train.micro_batch_size = 4          # 32 trained rows in 8 micro-batches: one update, ~5 GB
+                                          # of activations (all 32 rows at once: 33 GB, OOM)
   cfg.train.learning_rate = 1e-5
   cfg.train.lr_warmup_steps = 0
   cfg.loss.use_kl_loss = False          # no reference forward pass (Dr. GRPO / DAPO drop the KL)

@@ -339,9 +339,9 @@ def build_steps(cfg: ml_collections.ConfigDict, policy: Policy) -> Steps:
     return in_mesh(jax.jit(tx.init, out_shardings=opt_sh), policy.mesh)(params)
 
   @functools.lru_cache(maxsize=None)
-  def ppo_step(micro_batches: int):
+  def ppo_step(micro_batches: int, on_policy: bool = False):
     return in_mesh(update_lib.make_ppo_step(
-        policy.graphdef, rl_tx, micro_batches=micro_batches,
+        policy.graphdef, rl_tx, micro_batches=micro_batches, on_policy=on_policy,
         loss_options=loss_lib.kwargs_from_config(cfg.loss),
         in_shardings=(policy.param_sh, opt_sh, policy.param_sh, None, None, None, None),
         out_shardings=out_sh, **kw), policy.mesh)

@@ -307,11 +307,13 @@ def compile_programs(cfg, topology: str, programs: Sequence[str] = PROGRAMS,
       run("sft_step", f"{rows} rows x {s_len} tokens",
           lambda: _jitted(steps.sft_step).lower(params, opt_state, toks, mask),
           flops(rows * s_len, train_factor))
-    # The RL update as `update.ppo_update` runs it: one `rl_step` on all rows, or (PPO
-    # mini-batches / micro-batches) the old log-probs once plus one `ppo_step` per mini-batch.
+    # The RL update as `update.ppo_update` runs it: one `rl_step` on all rows; one on-policy
+    # `ppo_step` with micro-batches when that is the step's only update; or (PPO mini-batches)
+    # the old log-probs once plus one `ppo_step` per mini-batch.
     rows = p * g
     mini, micro = build.ppo_rows(cfg)
-    whole = mini >= rows and int(cfg.train.ppo_epochs) == 1 and micro >= rows
+    single = mini >= rows and int(cfg.train.ppo_epochs) == 1
+    whole = single and micro >= rows
     toks, mask, adv = (rows_spec((mini, s_len), dt) for dt in
                        (jnp.int32, jnp.float32, jnp.float32))
     if "rl_step" in programs and whole:
@@ -321,12 +323,12 @@ def compile_programs(cfg, topology: str, programs: Sequence[str] = PROGRAMS,
     elif "rl_step" in programs:
       n_micro = mini // min(micro, mini)
       k = min(build.max_generated_tokens(cfg), s_len - 1)
-      old = rows_spec((mini, k), jnp.float32)
+      old = None if single else rows_spec((mini, k), jnp.float32)
       run("rl_step", f"{mini} rows ({n_micro} x {mini // n_micro}) x {s_len} tokens",
-          lambda: _jitted(steps.ppo_step(n_micro)).lower(params, opt_state, params, toks,
-                                                          mask, adv, old),
+          lambda: _jitted(steps.ppo_step(n_micro, on_policy=single)).lower(
+              params, opt_state, params, toks, mask, adv, old),
           flops(mini * s_len, train_factor))
-    if "old_logprobs" in programs and not whole:
+    if "old_logprobs" in programs and not single:
       # update.old_logprobs: one PPO micro-batch of rows per call
       chunk = min(micro, mini)
       all_toks = rows_spec((chunk, s_len), jnp.int32)

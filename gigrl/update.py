@@ -290,10 +290,14 @@ def logprob_fn(graphdef, *, max_tokens: int, chunk_size: int) -> Callable:
 
 def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: int,
                   max_tokens: int, chunk_size: int, loss_options: dict[str, Any],
-                  in_shardings=None, out_shardings=None):
+                  on_policy: bool = False, in_shardings=None, out_shardings=None):
   """Jitted ``step(params, opt_state, ref_params, tokens, loss_mask, token_advantages,
   old_logprobs) -> (params, opt_state, metrics)``: one optimizer update on a mini-batch, its
   gradient accumulated over ``micro_batches`` equal micro-batches (``lax.scan``).
+
+  ``on_policy``: the step's only update on fresh rollouts; ``old_logprobs`` is ``None`` and the
+  old log-probs are the current ones (``stop_gradient``, as :func:`rl_loss` with ``None``):
+  exactly what a separate :func:`old_logprobs` pass with the same params gives, without it.
 
   Each micro-batch's loss is aggregated with the whole mini-batch's divisor
   (:func:`gigrl.loss.agg_denominator`, verl's ``batch_num_tokens`` / ``global_batch_size``), so
@@ -308,16 +312,19 @@ def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: 
   lsf = loss_options["loss_scale_factor"]
 
   def micro_loss(params, ref_params, tokens, mask, adv, old, denom):
+    old = None if on_policy else old
     return rl_loss(params, graphdef, ref_params, tokens, mask, adv, old, denom,
                    max_tokens=max_tokens, chunk_size=chunk_size, loss_options=loss_options)
 
   def step(params, opt_state, ref_params, tokens, loss_mask, token_advantages, old_logprobs):
     shifted = loss_mask[:, 1:]
-    k = old_logprobs.shape[1]
+    k = min(max_tokens, shifted.shape[1]) if on_policy else old_logprobs.shape[1]
     compact = jnp.take_along_axis(shifted, compact_positions(shifted, k), axis=1)
     denom = loss_lib.agg_denominator(compact, mode, lsf)
     n_tok = jnp.maximum(shifted.sum(), 1.0)
     split = lambda x: x.reshape((micro_batches, x.shape[0] // micro_batches) + x.shape[1:])
+    if on_policy:    # a placeholder row per micro-batch; micro_loss passes None to rl_loss
+      old_logprobs = jnp.zeros((tokens.shape[0], 0), jnp.float32)
     xs = tuple(map(split, (tokens, loss_mask, token_advantages, old_logprobs)))
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
@@ -395,7 +402,8 @@ def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
   """One RL step's actor update as verl runs it: old log-probs once, then epochs × mini-batches.
 
   With one mini-batch, one epoch and no micro-batching this is exactly one ``steps.rl_step``
-  (old log-probs = the current ones). Otherwise the rollout policy's log-probs are computed
+  (old log-probs = the current ones); with micro-batches, one on-policy ``steps.ppo_step``
+  (the same, its gradient accumulated). Otherwise the rollout policy's log-probs are computed
   once (:func:`old_logprobs`, before any update, one micro-batch of rows per call), and each
   of ``epochs`` epochs runs one ``steps.ppo_step`` per mini-batch of ``mini_batch_rows`` rows
   (:func:`minibatch_order`), each accumulating gradients over micro-batches of
@@ -416,6 +424,10 @@ def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
   if mini_batch_rows >= b and epochs == 1 and micro >= b:
     params, opt_state, m = steps.rl_step(params, opt_state, ref_params, put(tokens),
                                          put(loss_mask), put(token_advantages))
+    return params, opt_state, dict(jax.device_get(m), **{"train/updates": 1})
+  if mini_batch_rows >= b and epochs == 1:   # one update, micro-batched: on-policy, no old pass
+    params, opt_state, m = steps.ppo_step(b // micro, on_policy=True)(
+        params, opt_state, ref_params, put(tokens), put(loss_mask), put(token_advantages), None)
     return params, opt_state, dict(jax.device_get(m), **{"train/updates": 1})
   old = old_logprobs(steps.logprob_step, params, tokens, loss_mask, put=put,
                      chunk_rows=min(micro, mini_batch_rows))

@@ -203,6 +203,31 @@ def test_ppo_step_with_micro_batches_equals_one_micro_batch():
   _assert_same_update(out[4][0], out[1][0], policy.params)
 
 
+def test_one_update_with_micro_batches_is_on_policy_without_an_old_logprob_pass():
+  """One mini-batch, one epoch, micro-batches (the SmolLM2 and query-recycling recipes): the
+  step's only update is on-policy, so ppo_update makes no old log-prob pass; the update equals
+  the un-micro-batched rl_step's (ratio 1, gradients accumulated over 4 micro-batches)."""
+  cfg, policy, ref = _well_conditioned(_cfg(micro_batch_size=2)), _policy(0), _policy(1).params
+  steps = build.build_steps(cfg, policy)
+  tokens, mask, adv = _batch()
+  put = lambda x: build.put_rows(policy.mesh, x)
+  calls, real = [], steps.logprob_step
+  steps.logprob_step = lambda *a: calls.append(1) or real(*a)
+  mini, micro = build.ppo_rows(cfg)
+  assert (mini, micro) == (B, 2)
+  p1, _, m1 = update_lib.ppo_update(
+      steps, _copy(policy.params), steps.init_opt(steps.rl_tx, policy.params), ref, tokens,
+      mask, adv, put=put, mini_batch_rows=mini, epochs=1, micro_batch_rows=micro, seed=0,
+      step=1)
+  assert calls == [] and m1["train/updates"] == 1
+  p0, _, m0 = steps.rl_step(_copy(policy.params), steps.init_opt(steps.rl_tx, policy.params),
+                            ref, put(tokens), put(mask), put(adv))
+  assert float(m1["pg_clipfrac"]) == 0.0 and abs(float(m1["ppo_kl"])) < 1e-6
+  for k in ("loss", "pg_loss", "entropy", "grad_norm"):
+    np.testing.assert_allclose(float(m1[k]), float(m0[k]), rtol=1e-5, err_msg=k)
+  _assert_same_update(p1, p0, policy.params)
+
+
 @pytest.mark.parametrize("train", [dict(ppo_mini_batch_size=2), dict(ppo_epochs=2),
                                    dict(ppo_mini_batch_size=2, micro_batch_size=2)])
 def test_several_updates_per_step_clip(train):
