@@ -146,6 +146,7 @@ def main():
   p.add_argument("--num_steps", type=int, default=40)
   p.add_argument("--command", default="bash docs/results/countries_smollm2/run.sh")
   a = p.parse_args()
+  os.makedirs(a.out, exist_ok=True)
   res = collect(a.runs, a.sft_steps, a.num_steps)
   res["command"] = a.command
   with open(os.path.join(a.out, "results.json"), "w") as f:
