@@ -327,18 +327,23 @@ def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: 
       old_logprobs = jnp.zeros((tokens.shape[0], 0), jnp.float32)
     xs = tuple(map(split, (tokens, loss_mask, token_advantages, old_logprobs)))
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    shapes = jax.eval_shape(lambda: grad_fn(params, ref_params, *(x[0] for x in xs), denom))
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (shapes[1], shapes[0][1]))
 
-    def body(acc, x):
+    def grads_and_metrics(x):
       tok, mask, adv, old = x
       (_, m), g = grad_fn(params, ref_params, tok, mask, adv, old, denom)
       w = mask[:, 1:].sum() / n_tok
-      m = {k_: (v * w if k_ in _TOKEN_MEAN_METRICS else v) for k_, v in m.items()}
-      return jax.tree.map(jnp.add, acc, (g, m)), None
+      return g, {k_: (v * w if k_ in _TOKEN_MEAN_METRICS else v) for k_, v in m.items()}
 
-    shapes = jax.eval_shape(lambda: grad_fn(params, ref_params, *(x[0] for x in xs), denom))
-    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (shapes[1], shapes[0][1]))
+    def body(acc, x):
+      # A micro-batch without loss tokens (rows of groups the step does not train) adds
+      # exactly zero: its forward and backward are skipped, not computed and multiplied by 0.
+      gm = jax.lax.cond(x[1][:, 1:].sum() > 0, grads_and_metrics, lambda _: zeros, x)
+      return jax.tree.map(jnp.add, acc, gm), None
+
     if micro_batches == 1:
-      (grads, metrics), _ = body(zeros, tuple(x[0] for x in xs))
+      grads, metrics = grads_and_metrics(tuple(x[0] for x in xs))
     else:
       (grads, metrics), _ = jax.lax.scan(body, zeros, xs)
     return _apply_grads(tx, params, opt_state, grads, metrics)
@@ -426,8 +431,12 @@ def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
                                          put(loss_mask), put(token_advantages))
     return params, opt_state, dict(jax.device_get(m), **{"train/updates": 1})
   if mini_batch_rows >= b and epochs == 1:   # one update, micro-batched: on-policy, no old pass
+    # rows with loss tokens first, so the rows of untrained groups fill whole micro-batches,
+    # which the step skips (the loss is a sum over rows: the order changes only rounding)
+    order = np.argsort(~(loss_mask[:, 1:].sum(axis=1) > 0), kind="stable")
     params, opt_state, m = steps.ppo_step(b // micro, on_policy=True)(
-        params, opt_state, ref_params, put(tokens), put(loss_mask), put(token_advantages), None)
+        params, opt_state, ref_params, put(tokens[order]), put(loss_mask[order]),
+        put(token_advantages[order]), None)
     return params, opt_state, dict(jax.device_get(m), **{"train/updates": 1})
   old = old_logprobs(steps.logprob_step, params, tokens, loss_mask, put=put,
                      chunk_rows=min(micro, mini_batch_rows))

@@ -228,6 +228,29 @@ def test_one_update_with_micro_batches_is_on_policy_without_an_old_logprob_pass(
   _assert_same_update(p1, p0, policy.params)
 
 
+def test_micro_batches_of_untrained_rows_are_skipped():
+  """Rows without loss tokens (groups the step does not train) are sorted last and fill whole
+  micro-batches, which the step skips: NaN advantages on those rows never reach the gradient,
+  and the update equals the one with finite values there."""
+  cfg, policy, ref = _well_conditioned(_cfg(micro_batch_size=2)), _policy(0), _policy(1).params
+  steps = build.build_steps(cfg, policy)
+  tokens, mask, adv = _batch()
+  mask[[0, 6]] = 0.0    # rows 0, 3, 6 untrained; sorted last: micro-batches [1 2] [4 5] [7 0] [3 6]
+  adv = adv * mask
+  poisoned = adv.copy()
+  poisoned[[3, 6]] = np.nan            # in the unsorted order rows 3 and 6 share micro-batches
+  put = lambda x: build.put_rows(policy.mesh, x)
+  out = []
+  for a in (adv, poisoned):
+    p, _, m = update_lib.ppo_update(
+        steps, _copy(policy.params), steps.init_opt(steps.rl_tx, policy.params), ref, tokens,
+        mask, a, put=put, mini_batch_rows=B, epochs=1, micro_batch_rows=2, seed=0, step=1)
+    out.append((p, m))
+  assert np.isfinite(float(out[1][1]["loss"])) and float(out[1][1]["grad_norm"]) > 0
+  for a, b in zip(_leaves(out[1][0]), _leaves(out[0][0])):
+    np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("train", [dict(ppo_mini_batch_size=2), dict(ppo_epochs=2),
                                    dict(ppo_mini_batch_size=2, micro_batch_size=2)])
 def test_several_updates_per_step_clip(train):
