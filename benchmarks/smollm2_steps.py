@@ -14,8 +14,8 @@ which compiles, is left out). For each phase it prints:
   peak, where the peak is measured here as the best f32 matrix product rate (a 2048³ GEMM in
   XLA, all cores): MFU is then "the share of what this CPU's XLA GEMM does";
 * the floor: the same step's weight GEMMs alone (`_gemm_floor.train_gemm_seconds`: forward,
-  dX and dW of every kernel and the LM head at the step's token count) and the step time's
-  ratio to it;
+  dX and dW of every kernel and the LM head, timed at 2,048 token rows and scaled linearly to
+  the step's trained tokens) and the step's (RL: the update's) time over it;
 * peak RSS of the training process (ru_maxrss of the child).
 
 Needs the fetched checkpoint (`gigrl-fetch smollm2-135m-instruct`).
@@ -41,6 +41,7 @@ from _gemm_floor import train_gemm_seconds  # noqa: E402
 from _timing import timed_runs  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLOOR_ROWS = 2048
 CONFIG = os.path.join(ROOT, "configs", "countries.py") + ":smollm2-135m"
 
 
@@ -99,7 +100,7 @@ def main():
   ckpt = fetch.default_dir("smollm2-135m-instruct")
   fetch.check_hf_path(ckpt)
   cfg = config_from_hf(ckpt)
-  n = cfg.num_params()
+  n = cfg.num_params
   peak = gemm_peak_flops()
   print(f"machine: {os.cpu_count()} cores, jax {jax.__version__} on {jax.devices()[0].platform}"
         f"; measured f32 GEMM peak {peak / 1e9:.1f} GFLOP/s; model N = {n / 1e6:.1f}M")
@@ -122,7 +123,10 @@ def main():
       print(f"| {phase} | 0 (run more steps) | | | | | | | | {r['peak_rss_gib']:.1f} |")
       continue
     tokens = int(round(r["train_tokens_per_step"]))
-    floor, _ = train_gemm_seconds(cfg, tokens, repeats=2)
+    # GEMM time is linear in the rows: time 2,048 of them and scale (all of an RL step's rows
+    # at once need ~24 GB of random operands, more than this machine has)
+    rows = min(tokens, FLOOR_ROWS)
+    floor = train_gemm_seconds(cfg, rows, repeats=2)[0] * tokens / rows
     upd = r.get("update_s") or r["step_s"]
     r.update(gemm_floor_s=floor, ratio=upd / floor)
     print(f"| {phase} | {r['steps']} | {r['step_s']:.1f} | {tokens} | "

@@ -502,7 +502,7 @@ class Trainer:
       lm = {"loss": 0.0, "kl": 0.0, "pg_loss": 0.0}
     t_train = time.perf_counter() - t1
     gen_tokens = rmetrics["rollout/generated_tokens"]
-    sel = rows.reshape(-1)
+    sel = rows.reshape(-1)[np.repeat(valid, g)]      # the trained groups' rows
     record = {
         "step": step, "phase": "rl",
         **rl_batch.rollout_metrics(batch, rewards, row_arrays.answered),
