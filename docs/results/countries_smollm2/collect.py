@@ -9,7 +9,7 @@ Reads, under --runs:
   control/metrics.jsonl          further SFT from the same start, its `phase: eval` lines
 Writes results.json (issue #28's schema, plus the curves, the pass@k ceiling and the gain's 95%
 t-interval) and curves.png (held-out EM by hop against RL step, one line per seed, the
-control beside them). Runs that have not finished yet are reported with what they have
+control beside them; and each seed's training reward and zero-variance share per RL step). Runs that have not finished yet are reported with what they have
 ("finished": false), so partial results can be committed.
 """
 from __future__ import annotations
@@ -113,7 +113,8 @@ def plot(res: dict, path: str) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+  fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+  axes[1].sharey(axes[0])
   for ax, h in zip(axes, HOPS):
     for r in res["runs"]:
       c = r["curve"]
@@ -125,6 +126,7 @@ def plot(res: dict, path: str) -> None:
               label="control: further SFT")
     ax.set_title(f"held-out {h}-hop EM (greedy, n={res['warm_start'][f'n_{h}hop']})")
     ax.set_xlabel("update steps after the warm-start")
+    ax.set_xlim(-1, res["num_steps"] + 1)
     ax.grid(alpha=0.3)
   ws = res["warm_start"].get("sampled_2hop") or {}
   for m in ws.values():
@@ -133,6 +135,18 @@ def plot(res: dict, path: str) -> None:
                       label=f"warm-start pass@8 {m['pass@8']:.2f}")
   axes[0].set_ylabel("exact match")
   axes[1].legend(fontsize=8)
+  ax = axes[2]                      # the RL steps themselves: reward and groups without signal
+  for r in res["runs"]:
+    t = r["train"]
+    steps = range(1, len(t["reward_mean"]) + 1)
+    line, = ax.plot(steps, t["reward_mean"], label=f"seed {r['seed']}: rollout reward")
+    ax.plot(steps, t["zero_variance_frac"], ls="--", color=line.get_color(),
+            label=f"seed {r['seed']}: zero-variance share of candidate groups")
+  ax.set_title("training rollouts (16 candidate groups x 4)")
+  ax.set_xlabel("RL step")
+  ax.set_ylim(0, 1)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7)
   fig.suptitle("SmolLM2-135M-Instruct on the countries task: SFT warm-start, then RL")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -148,7 +162,7 @@ def main():
   a = p.parse_args()
   os.makedirs(a.out, exist_ok=True)
   res = collect(a.runs, a.sft_steps, a.num_steps)
-  res["command"] = a.command
+  res["command"], res["num_steps"] = a.command, a.num_steps
   with open(os.path.join(a.out, "results.json"), "w") as f:
     json.dump(res, f, indent=1, default=lambda x: None if isinstance(x, float) and
               math.isnan(x) else x)
