@@ -286,9 +286,10 @@ class Steps:
     rl_step: ``(params, opt_state, ref_params, tokens, loss_mask, token_advantages)``: one
       on-policy update (old log-probs = current).
     init_opt: ``tx -> params -> opt_state`` on ``opt_sh``.
-    ppo_step: ``micro_batches -> step(params, opt_state, ref_params, tokens, loss_mask,
-      token_advantages, old_logprobs)`` (one mini-batch update, gradient accumulation;
-      :func:`gigrl.update.make_ppo_step`), compiled once per micro-batch count.
+    ppo_step: ``(micro_batches, on_policy=False) -> step(params, opt_state, ref_params,
+      tokens, loss_mask, token_advantages, old_logprobs)`` (one mini-batch update, gradient
+      accumulation; ``on_policy``: the step's only update, ``old_logprobs`` None;
+      :func:`gigrl.update.make_ppo_step`), compiled once per (count, on_policy).
     logprob_step: ``(params, tokens, loss_mask) -> old log-probs f32[B, K]``.
   """
   sft_tx: optax.GradientTransformation

@@ -244,6 +244,7 @@ def gguf_to_hf(gguf_path: str, out_dir: str, meta: dict[str, Any] | None = None
   if missing:
     raise GGUFError(f"{gguf_path}: tensors {missing} are missing")
   tok_json, tok_cfg = tokenizer_json(reader), tokenizer_config(reader)
+  num_params = int(sum(a.size for a in tensors.values()))
   out_dir = os.path.abspath(out_dir)
   if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
     raise FileExistsError(f"{out_dir} exists and is not an empty directory")
@@ -260,8 +261,8 @@ def gguf_to_hf(gguf_path: str, out_dir: str, meta: dict[str, Any] | None = None
                                         "pad_token_id": _field(
                                             reader, "tokenizer.ggml.padding_token_id",
                                             None)}}
-    files[MARKER] = {"source": os.path.basename(gguf_path),
-                     "num_params": int(sum(a.size for a in tensors.values())), **(meta or {})}
+    files[MARKER] = {"source": os.path.basename(gguf_path), "num_params": num_params,
+                     **(meta or {})}
     for name, obj in files.items():
       with open(os.path.join(tmp, name), "w") as f:
         json.dump(obj, f, indent=2, ensure_ascii=False)
@@ -271,5 +272,5 @@ def gguf_to_hf(gguf_path: str, out_dir: str, meta: dict[str, Any] | None = None
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
-  return {"dir": out_dir, "num_params": int(sum(a.size for a in tensors.values())),
+  return {"dir": out_dir, "num_params": num_params,
           "files": sorted(["model.safetensors", *files]), "config": config}
