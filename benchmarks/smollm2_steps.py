@@ -115,6 +115,9 @@ def main():
           f"--config.train.init_from={a.init_from}", f"--config.train.num_steps={a.rl_steps}",
           "--config.train.eval_questions=0", "--config.checkpoint.every_steps=1000"])
       results["rl"] = {**phase_stats(rows, "rl", n, peak), "peak_rss_gib": rss, "wall_s": wall}
+  # GEMM time is linear in the rows: time FLOOR_ROWS of them once and scale (an RL step's rows
+  # at once need ~24 GB of random operands; a second timing beside the first's buffers too)
+  floor_per_token = train_gemm_seconds(cfg, FLOOR_ROWS, repeats=2)[0] / FLOOR_ROWS
   print("| phase | steps timed | step s | trained tokens/step | trained tokens/s | MFU "
         "(6N·tok/s / peak) | GEMM floor s | step / floor | rollout gen tokens/s | peak RSS GiB |")
   print("|---|---|---|---|---|---|---|---|---|---|")
@@ -123,10 +126,7 @@ def main():
       print(f"| {phase} | 0 (run more steps) | | | | | | | | {r['peak_rss_gib']:.1f} |")
       continue
     tokens = int(round(r["train_tokens_per_step"]))
-    # GEMM time is linear in the rows: time 2,048 of them and scale (all of an RL step's rows
-    # at once need ~24 GB of random operands, more than this machine has)
-    rows = min(tokens, FLOOR_ROWS)
-    floor = train_gemm_seconds(cfg, rows, repeats=2)[0] * tokens / rows
+    floor = floor_per_token * tokens
     upd = r.get("update_s") or r["step_s"]
     r.update(gemm_floor_s=floor, ratio=upd / floor)
     print(f"| {phase} | {r['steps']} | {r['step_s']:.1f} | {tokens} | "
