@@ -78,6 +78,7 @@ def collect(runs: str, sft_steps: int, num_steps: int) -> dict:
     rl = [r for r in rows if r.get("phase") == "rl"]
     out["runs"].append({
         "setting": os.path.basename(os.path.dirname(d)),
+        "estimator": os.path.basename(os.path.dirname(d)), "final_em": c[-1]["em"],
         "seed": int(d.rsplit("_", 1)[1]), "questions": c[0]["n"],
         "start": c[0], "final": c[-1], "curve": c,
         "rl_steps_done": max((r["step"] - sft_steps for r in rl), default=0),
