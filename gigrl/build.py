@@ -330,9 +330,11 @@ def build_steps(cfg: ml_collections.ConfigDict, policy: Policy) -> Steps:
   sft_step = update_lib.make_step(
       update_lib.sft_loss_fn(policy.graphdef, **kw), sft_tx,
       in_shardings=(policy.param_sh, opt_sh, None, None), out_shardings=out_sh)
+  # RL log-probs are those of the tempered distribution the rollout samples from (verl).
+  rl_kw = dict(kw, temperature=float(cfg.rollout.temperature))
   rl_step = update_lib.make_step(
       update_lib.rl_loss_fn(policy.graphdef, loss_options=loss_lib.kwargs_from_config(cfg.loss),
-                            **kw), rl_tx,
+                            **rl_kw), rl_tx,
       in_shardings=(policy.param_sh, opt_sh, policy.param_sh, None, None, None),
       out_shardings=out_sh)
 
@@ -345,9 +347,9 @@ def build_steps(cfg: ml_collections.ConfigDict, policy: Policy) -> Steps:
         policy.graphdef, rl_tx, micro_batches=micro_batches, on_policy=on_policy,
         loss_options=loss_lib.kwargs_from_config(cfg.loss),
         in_shardings=(policy.param_sh, opt_sh, policy.param_sh, None, None, None, None),
-        out_shardings=out_sh, **kw), policy.mesh)
+        out_shardings=out_sh, **rl_kw), policy.mesh)
 
-  logprob_step = in_mesh(jax.jit(update_lib.logprob_fn(policy.graphdef, **kw),
+  logprob_step = in_mesh(jax.jit(update_lib.logprob_fn(policy.graphdef, **rl_kw),
                                  in_shardings=(policy.param_sh, None, None)), policy.mesh)
   return Steps(sft_tx=sft_tx, rl_tx=rl_tx, opt_sh=opt_sh,
                sft_step=in_mesh(sft_step, policy.mesh), rl_step=in_mesh(rl_step, policy.mesh),

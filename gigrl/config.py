@@ -41,7 +41,7 @@ def rollout_config() -> ml_collections.ConfigDict:
   c.max_new_tokens = 64        # per turn
   c.max_obs_tokens = 128
   c.max_prompt_tokens = 256
-  c.temperature = 1.0
+  c.temperature = 1.0          # sampling; the RL loss scores tokens at the same temperature
   c.top_p = 1.0
   c.top_k = 0
   c.greedy = False

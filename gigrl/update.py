@@ -130,12 +130,15 @@ def compact_positions(mask: jax.Array, max_tokens: int) -> jax.Array:
 
 
 def masked_logprobs(params, graphdef, tokens: jax.Array, loss_mask: jax.Array, *,
-                    max_tokens: int, chunk_size: int):
+                    max_tokens: int, chunk_size: int, temperature: float = 1.0):
   """Log-probs and entropy of the loss-masked target tokens only.
 
   Args:
     tokens: i32[B, S]; loss_mask: f32[B, S] (aligned with ``tokens``).
     max_tokens: static bound K on masked tokens per row (the rollout's generation budget).
+    temperature: static; the logits are divided by it first, so the log-probs are those of
+      the distribution the rollout sampled from (verl divides the actor's and the reference's
+      logits by ``rollout.temperature``). 1.0 = the raw model (SFT, evaluation).
   Returns:
     (logprobs f32[B, K], entropy f32[B, K], mask f32[B, K], positions i32[B, K]) where
     position k of row b scores ``tokens[b, positions[b, k] + 1]``.
@@ -147,7 +150,8 @@ def masked_logprobs(params, graphdef, tokens: jax.Array, loss_mask: jax.Array, *
   h = jnp.take_along_axis(hidden, pos[..., None], axis=1)
   t = jnp.take_along_axis(targets, pos, axis=1)
   m = jnp.take_along_axis(mask, pos, axis=1)
-  logp, ent = logprobs_lib.logprobs_from_hidden(model, h, t, chunk_size=chunk_size)
+  logp, ent = logprobs_lib.logprobs_from_hidden(model, h, t, chunk_size=chunk_size,
+                                                temperature=temperature)
   return logp, ent, m, pos
 
 
@@ -171,7 +175,7 @@ def sft_loss(params, graphdef, tokens: jax.Array, loss_mask: jax.Array, *,
 def rl_loss(params, graphdef, ref_params, tokens: jax.Array, loss_mask: jax.Array,
             token_advantages: jax.Array, old_logprobs: jax.Array | None = None,
             denominator: jax.Array | None = None, *, max_tokens: int, chunk_size: int,
-            loss_options: dict[str, Any]):
+            loss_options: dict[str, Any], temperature: float = 1.0):
   """The RL actor loss: :func:`gigrl.loss.ppo_loss` on the policy's own tokens.
 
   With ``old_logprobs=None`` (one update per RL step, on fresh rollouts) the old log-probs
@@ -193,17 +197,18 @@ def rl_loss(params, graphdef, ref_params, tokens: jax.Array, loss_mask: jax.Arra
       accumulation, :func:`gigrl.loss.agg_denominator`).
     max_tokens: static bound K on the generated tokens of a row.
     chunk_size: vocabulary-projection chunk (``model.logprob_chunk_size``).
+    temperature: the rollout's sampling temperature; policy, old and reference log-probs and
+      the entropy are all of the tempered distribution (:func:`masked_logprobs`).
     loss_options: :func:`gigrl.loss.ppo_loss` keyword options (the ``loss`` config section,
       :func:`gigrl.loss.kwargs_from_config`).
   Returns:
     (loss f32[], metrics dict: loss, pg_loss, kl, entropy, pg_clipfrac, ppo_kl,
     pg_clipfrac_lower).
   """
-  logp, entropy, mask, pos = masked_logprobs(params, graphdef, tokens, loss_mask,
-                                             max_tokens=max_tokens, chunk_size=chunk_size)
+  kw = dict(max_tokens=max_tokens, chunk_size=chunk_size, temperature=temperature)
+  logp, entropy, mask, pos = masked_logprobs(params, graphdef, tokens, loss_mask, **kw)
   if loss_options["use_kl_loss"]:
-    ref_logp, _, _, _ = masked_logprobs(ref_params, graphdef, tokens, loss_mask,
-                                        max_tokens=max_tokens, chunk_size=chunk_size)
+    ref_logp, _, _, _ = masked_logprobs(ref_params, graphdef, tokens, loss_mask, **kw)
     ref_logp = jax.lax.stop_gradient(ref_logp)
   else:
     ref_logp = jax.lax.stop_gradient(logp)
@@ -223,12 +228,13 @@ def sft_loss_fn(graphdef, *, max_tokens: int, chunk_size: int) -> Callable:
 
 
 def rl_loss_fn(graphdef, *, max_tokens: int, chunk_size: int,
-               loss_options: dict[str, Any]) -> Callable:
+               loss_options: dict[str, Any], temperature: float = 1.0) -> Callable:
   """``loss_fn(params, ref_params, tokens, loss_mask, token_advantages)`` for
   :func:`make_step` (RL)."""
   def fn(params, ref_params, tokens, loss_mask, token_advantages):
     return rl_loss(params, graphdef, ref_params, tokens, loss_mask, token_advantages,
-                   max_tokens=max_tokens, chunk_size=chunk_size, loss_options=loss_options)
+                   max_tokens=max_tokens, chunk_size=chunk_size, loss_options=loss_options,
+                   temperature=temperature)
   return fn
 
 
@@ -278,19 +284,23 @@ def make_step(loss_fn, tx: optax.GradientTransformation, *, in_shardings=None,
 _TOKEN_MEAN_METRICS = ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")
 
 
-def logprob_fn(graphdef, *, max_tokens: int, chunk_size: int) -> Callable:
+def logprob_fn(graphdef, *, max_tokens: int, chunk_size: int,
+               temperature: float = 1.0) -> Callable:
   """``fn(params, tokens, loss_mask) -> f32[B, K]``: the compacted log-probs of the loss-masked
-  tokens (:func:`masked_logprobs`), no gradient; the old log-probs of a PPO step."""
+  tokens (:func:`masked_logprobs`, at ``temperature``), no gradient; the old log-probs of a
+  PPO step."""
   def fn(params, tokens, loss_mask):
     logp, _, _, _ = masked_logprobs(params, graphdef, tokens, loss_mask,
-                                    max_tokens=max_tokens, chunk_size=chunk_size)
+                                    max_tokens=max_tokens, chunk_size=chunk_size,
+                                    temperature=temperature)
     return jax.lax.stop_gradient(logp)
   return fn
 
 
 def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: int,
                   max_tokens: int, chunk_size: int, loss_options: dict[str, Any],
-                  on_policy: bool = False, in_shardings=None, out_shardings=None):
+                  on_policy: bool = False, temperature: float = 1.0, in_shardings=None,
+                  out_shardings=None):
   """Jitted ``step(params, opt_state, ref_params, tokens, loss_mask, token_advantages,
   old_logprobs) -> (params, opt_state, metrics)``: one optimizer update on a mini-batch, its
   gradient accumulated over ``micro_batches`` equal micro-batches (``lax.scan``).
@@ -298,6 +308,7 @@ def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: 
   ``on_policy``: the step's only update on fresh rollouts; ``old_logprobs`` is ``None`` and the
   old log-probs are the current ones (``stop_gradient``, as :func:`rl_loss` with ``None``):
   exactly what a separate :func:`old_logprobs` pass with the same params gives, without it.
+  ``temperature``: the rollout's sampling temperature (:func:`rl_loss`).
 
   Each micro-batch's loss is aggregated with the whole mini-batch's divisor
   (:func:`gigrl.loss.agg_denominator`, verl's ``batch_num_tokens`` / ``global_batch_size``), so
@@ -314,7 +325,8 @@ def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: 
   def micro_loss(params, ref_params, tokens, mask, adv, old, denom):
     old = None if on_policy else old
     return rl_loss(params, graphdef, ref_params, tokens, mask, adv, old, denom,
-                   max_tokens=max_tokens, chunk_size=chunk_size, loss_options=loss_options)
+                   max_tokens=max_tokens, chunk_size=chunk_size, loss_options=loss_options,
+                   temperature=temperature)
 
   def step(params, opt_state, ref_params, tokens, loss_mask, token_advantages, old_logprobs):
     shifted = loss_mask[:, 1:]

@@ -315,3 +315,24 @@ def test_lr_schedule_warmup_ratio_cosine_and_updates_per_step():
   c = _cfg(num_steps=100, lr_warmup_steps=5, learning_rate=2.0).train
   assert _lr(c, 0) == 0.0 and _lr(c, 1) == pytest.approx(0.4) and _lr(c, 50) == 2.0
   assert _lr(_cfg(learning_rate=3.0).train, 7) == 3.0      # default: constant, no warm-up
+
+
+def test_rl_logprobs_are_of_the_rollout_temperature():
+  """verl divides the actor's logits by ``rollout.temperature``: the built RL steps score the
+  tokens under the distribution the rollout sampled from, SFT stays at temperature 1."""
+  cfg, policy = _cfg(), _policy(0)
+  cfg.rollout.temperature = 1.7
+  tokens, mask, _ = _batch()
+  steps = build.build_steps(cfg, policy)
+  got = np.asarray(steps.logprob_step(policy.params, tokens, mask))
+  logits = np.asarray(nnx.merge(policy.graphdef, policy.params)(tokens), np.float64) / 1.7
+  logits -= logits.max(-1, keepdims=True)
+  logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  want = np.take_along_axis(logp[:, :-1], tokens[:, 1:, None], axis=2)[..., 0]
+  pos = np.asarray(update_lib.compact_positions(mask[:, 1:], got.shape[1]))
+  m = np.take_along_axis(mask[:, 1:], pos, axis=1)
+  np.testing.assert_allclose(got * m, np.take_along_axis(want, pos, axis=1) * m, atol=1e-4)
+  raw = update_lib.logprob_fn(policy.graphdef, max_tokens=got.shape[1],
+                              chunk_size=int(cfg.model.logprob_chunk_size))(
+                                  policy.params, tokens, mask)
+  assert np.abs((np.asarray(raw) - got) * m).max() > 1e-2     # temperature 1 differs

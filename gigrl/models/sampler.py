@@ -20,7 +20,8 @@ Log-probabilities returned by `decode` are those of the *raw model* (temperature
 no top-k/top-p truncation): log softmax(model logits)[token]. This is the
 log pi_old(token) RL losses need; the sampling distribution itself may be tempered /
 truncated. (With temperature != 1 the sampled tokens are off-policy w.r.t. these
-log-probs; train-time log-probs from `token_logprobs` use the same raw convention.)
+log-probs; the RL update therefore does not use them: it recomputes log-probs of the
+tempered distribution, `gigrl.update.masked_logprobs(temperature=rollout.temperature)`.)
 """
 from __future__ import annotations
 
