@@ -37,6 +37,7 @@ from gigrl.config_utils import ConfigError, get_field
 from gigrl.data import qa
 from gigrl.data import tfds_qa
 from gigrl.data import tokenizer as tok_lib
+from gigrl.models import lora as lora_lib
 from gigrl.models import sharding as sharding_lib
 from gigrl.rollout import engine as engine_lib
 from gigrl.rollout import turns as turns_lib
@@ -147,6 +148,8 @@ class Policy:
     mesh: the ``('data', 'fsdp', 'tp')`` mesh of ``model.mesh``.
     params: ``nnx.State`` in the ``model.train_sharding`` layout; param_sh: its shardings.
     train_preset, rollout_preset: ``model.train_sharding`` / ``model.rollout_sharding``.
+    lora: ``model.lora`` (:class:`gigrl.models.lora.LoraSettings`); when enabled the params
+      hold the adapters beside the frozen base, and only the adapters are trained.
   """
   model_cfg: Any
   graphdef: Any
@@ -155,6 +158,11 @@ class Policy:
   param_sh: Any
   train_preset: str
   rollout_preset: str
+  lora: Any = lora_lib.LoraSettings()
+
+  def trained(self, params: Any) -> Any:
+    """The part of ``params`` the optimizer updates (the adapters with LoRA, else all)."""
+    return lora_lib.split_trainable(params, self.lora.enabled)[0]
 
   def rollout_params(self, params: Any) -> Any:
     """``params`` in the rollout layout (``model.rollout_sharding``)."""
@@ -164,9 +172,13 @@ class Policy:
     """One line: size, shape, dtype and layout."""
     c = self.model_cfg
     n = sum(x.size for x in jax.tree.leaves(self.params))
-    return (f"{n / 1e6:.2f}M params (L={c.num_layers}, D={c.hidden_size}, "
+    line = (f"{n / 1e6:.2f}M params (L={c.num_layers}, D={c.hidden_size}, "
             f"heads {c.num_heads}/{c.num_kv_heads}, vocab {c.vocab_size}, {c.dtype}) on mesh "
             f"{dict(self.mesh.shape)}, {self.train_preset} for training")
+    if self.lora.enabled:
+      k = sum(x.size for x in jax.tree.leaves(self.trained(self.params)))
+      line += f"; {self.lora.describe()}: {k / 1e6:.3f}M trained ({100 * k / n:.2f}%)"
+    return line
 
 
 def build_policy(cfg: ml_collections.ConfigDict, vocab_size: int, tokenizer: Any = None
@@ -188,12 +200,15 @@ def build_policy(cfg: ml_collections.ConfigDict, vocab_size: int, tokenizer: Any
                                       config=model_cfg)
   else:
     model = models.Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed))
+  lora = lora_lib.settings_from_config(m)
+  if lora.enabled:   # adapters beside the loaded base; B = 0, so this is still the base
+    lora_lib.add_adapters(model, lora, rngs=nnx.Rngs(params=cfg.seed + 1))
   graphdef, params = nnx.split(model)
   param_sh = sharding_lib.param_shardings(params, mesh, m.train_sharding)
   params = sharding_lib.shard_state(params, mesh, m.train_sharding)
   return Policy(model_cfg=model_cfg, graphdef=graphdef, mesh=mesh, params=params,
                 param_sh=param_sh, train_preset=m.train_sharding,
-                rollout_preset=m.rollout_sharding)
+                rollout_preset=m.rollout_sharding, lora=lora)
 
 
 def batch_axis_size(mesh: jax.sharding.Mesh) -> int:
@@ -322,31 +337,34 @@ def build_steps(cfg: ml_collections.ConfigDict, policy: Policy) -> Steps:
   sft_tx = update_lib.optimizer_from_config(cfg.train, "sft")
   rl_tx = update_lib.optimizer_from_config(cfg.train, "rl",
                                            num_prompts=int(cfg.data.prompts_per_step))
-  opt_sh = sharding_lib.opt_state_shardings(jax.eval_shape(sft_tx.init, policy.params),
-                                            policy.params, policy.mesh, policy.train_preset)
+  lora = policy.lora.enabled
+  trained = policy.trained(policy.params)    # with LoRA the optimizer state is the adapters'
+  opt_sh = sharding_lib.opt_state_shardings(jax.eval_shape(sft_tx.init, trained),
+                                            trained, policy.mesh, policy.train_preset)
+  ref_sh = None if lora else policy.param_sh   # LoRA: no reference params (adapters off)
   repl = NamedSharding(policy.mesh, P())
   out_sh = (policy.param_sh, opt_sh, repl)
   kw = dict(max_tokens=max_generated_tokens(cfg), chunk_size=int(cfg.model.logprob_chunk_size))
   sft_step = update_lib.make_step(
-      update_lib.sft_loss_fn(policy.graphdef, **kw), sft_tx,
+      update_lib.sft_loss_fn(policy.graphdef, **kw), sft_tx, lora=lora,
       in_shardings=(policy.param_sh, opt_sh, None, None), out_shardings=out_sh)
   # RL log-probs are those of the tempered distribution the rollout samples from (verl).
   rl_kw = dict(kw, temperature=float(cfg.rollout.temperature))
   rl_step = update_lib.make_step(
       update_lib.rl_loss_fn(policy.graphdef, loss_options=loss_lib.kwargs_from_config(cfg.loss),
-                            **rl_kw), rl_tx,
-      in_shardings=(policy.param_sh, opt_sh, policy.param_sh, None, None, None),
+                            **rl_kw), rl_tx, lora=lora,
+      in_shardings=(policy.param_sh, opt_sh, ref_sh, None, None, None),
       out_shardings=out_sh)
 
   def init_opt(tx, params):
-    return in_mesh(jax.jit(tx.init, out_shardings=opt_sh), policy.mesh)(params)
+    return in_mesh(jax.jit(tx.init, out_shardings=opt_sh), policy.mesh)(policy.trained(params))
 
   @functools.lru_cache(maxsize=None)
   def ppo_step(micro_batches: int, on_policy: bool = False):
     return in_mesh(update_lib.make_ppo_step(
-        policy.graphdef, rl_tx, micro_batches=micro_batches, on_policy=on_policy,
+        policy.graphdef, rl_tx, micro_batches=micro_batches, on_policy=on_policy, lora=lora,
         loss_options=loss_lib.kwargs_from_config(cfg.loss),
-        in_shardings=(policy.param_sh, opt_sh, policy.param_sh, None, None, None, None),
+        in_shardings=(policy.param_sh, opt_sh, ref_sh, None, None, None, None),
         out_shardings=out_sh, **rl_kw), policy.mesh)
 
   logprob_step = in_mesh(jax.jit(update_lib.logprob_fn(policy.graphdef, **rl_kw),

@@ -41,6 +41,7 @@ from gigrl.config_utils import ConfigError
 from gigrl.data import copy_task
 from gigrl.data import pool as pool_lib
 from gigrl.data import qa as qa_lib
+from gigrl.models import lora as lora_lib
 from gigrl.rollout import demos as demos_lib
 from gigrl.rollout import trajectory as traj_lib
 
@@ -256,17 +257,47 @@ class Trainer:
     return json.loads(self.cfg.to_json_best_effort())
 
   def _checkpointed(self, state: state_lib.TrainState) -> state_lib.TrainState:
-    ref = state.params if state.ref_params is None else state.ref_params
+    if self.policy.lora.enabled:
+      # LoRA: the adapters (and their optimizer state) only; the frozen base is rebuilt from
+      # model.hf_path / the preset, and the reference policy is that base (no slot).
+      params, ref = self.policy.trained(state.params), None
+    else:
+      params = state.params
+      ref = state.params if state.ref_params is None else state.ref_params
     # The advantage state is host / single-device data (the same on every process); orbax
     # saves only global arrays on several processes, so it is checkpointed replicated.
-    return state.replace(ref_params=ref, pool=self.pool.state_dict(),
+    return state.replace(params=params, ref_params=ref, pool=self.pool.state_dict(),
                          adv_state=build.replicated(self.policy.mesh, state.adv_state))
+
+  def _with_base(self, state: state_lib.TrainState) -> state_lib.TrainState:
+    """A restored state's params: with LoRA, its adapters beside this run's frozen base."""
+    if not self.policy.lora.enabled:
+      return state
+    _, frozen = lora_lib.split_trainable(self.policy.params, True)
+    return state.replace(params=lora_lib.merge(state.params, frozen), ref_params=None)
+
+  def _base_name(self) -> str:
+    """What the LoRA adapters belong to: the checkpoint directory or the preset and seed."""
+    m = self.cfg.model
+    return (os.path.abspath(m.hf_path) if m.hf_path and os.path.isdir(m.hf_path) else
+            m.hf_path or f"preset {m.preset}, seed {self.cfg.seed}")
+
+  def _check_base(self, meta: dict[str, Any]) -> None:
+    """ConfigError naming ``model.hf_path`` when a LoRA checkpoint's adapters were trained
+    on another base than this run's."""
+    saved = meta.get("lora_base")
+    if self.policy.lora.enabled and saved is not None and saved != self._base_name():
+      raise ConfigError("model.hf_path", self.cfg.model.hf_path,
+                        f"the base the checkpoint's LoRA adapters belong to ({saved})")
 
   def _save(self, phase: str, force: bool = False) -> None:
     state = self._checkpointed(self.state)
     meta = {"phase": phase, "sft_steps_done": min(state.step, self.cfg.train.sft_steps),
-            "ref_policy": "params at the end of the SFT warm-start",
+            "ref_policy": ("the base with the LoRA adapters off" if self.policy.lora.enabled
+                           else "params at the end of the SFT warm-start"),
             "config": self._config_json()}
+    if self.policy.lora.enabled:
+      meta["lora_base"] = self._base_name()
     # The async writer reads the arrays after save() returns, while the next train step
     # donates (frees) params and optimizer state: hand it device copies instead.
     self.ckpt.save(state_lib.copy(state), meta, force=force)
@@ -280,11 +311,13 @@ class Trainer:
         self._init_from(self.cfg.train.init_from)
       return
     state, meta = out
+    self._check_base(meta)
+    state = self._with_base(state)
     changes = ckpt_lib.config_differences(meta.get("config") or {}, config)
     if changes:
       _log("config changed since the checkpoint was written: " + "; ".join(changes))
     self.pool.load_state_dict(state.pool)
-    if state.step <= self.cfg.train.sft_steps:
+    if state.step <= self.cfg.train.sft_steps or self.policy.lora.enabled:
       state = state.replace(ref_params=None)
     state = state.replace(adv_state=build.local_copy(state.adv_state))
     self.state = state
@@ -304,7 +337,10 @@ class Trainer:
     path, _, at = value.rpartition("@") if "@" in value else (value, "", "")
     if at and not at.isdigit():
       raise ConfigError("train.init_from", value, "'<workdir>' or '<workdir>@<step>'")
-    params, meta = ckpt_lib.restore_params(path, int(at) if at else None, self.state.params)
+    target = self._checkpointed(self.state).params      # the adapters alone with LoRA
+    params, meta = ckpt_lib.restore_params(path, int(at) if at else None, target)
+    self._check_base(meta)
+    params = self._with_base(self.state.replace(params=params)).params
     sft = int(self.cfg.train.sft_steps)
     if int(meta["step"]) != sft:
       raise ConfigError("train.init_from", value,
@@ -372,9 +408,10 @@ class Trainer:
   def _begin_rl(self) -> None:
     """Freezes the reference policy and switches to the RL optimizer."""
     params = self.state.params
+    # LoRA: no copy; the reference is the base with the adapters off (update.rl_loss)
+    ref = None if self.policy.lora.enabled else state_lib.copy(params)
     self.state = self.state.replace(
-        ref_params=state_lib.copy(params),
-        opt_state=self.steps.init_opt(self.steps.rl_tx, params))
+        ref_params=ref, opt_state=self.steps.init_opt(self.steps.rl_tx, params))
 
   def _check_finite(self, step: int, n: int, record: dict[str, Any]) -> None:
     """Stops when ``train.max_consecutive_nonfinite`` (= n) updates in a row were skipped; the

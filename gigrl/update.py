@@ -17,6 +17,7 @@ from flax import nnx
 from gigrl import distributed
 from gigrl import loss as loss_lib
 from gigrl.models import logprobs as logprobs_lib
+from gigrl.models import lora as lora_lib
 
 
 SCHEDULES = ("constant", "cosine")
@@ -191,6 +192,8 @@ def rl_loss(params, graphdef, ref_params, tokens: jax.Array, loss_mask: jax.Arra
   ``use_kl_loss`` is on (verl computes ``ref_log_prob`` only then); otherwise ``kl`` is 0.
 
   Args:
+    ref_params: the reference policy's params; ``None`` = ``params`` with the LoRA adapters
+      switched off (:func:`gigrl.models.lora.adapters_off`, no second copy of the base).
     tokens: i32[B, S]; loss_mask, token_advantages: f32[B, S] aligned with ``tokens``.
     old_logprobs: optional f32[B, K] rollout-policy log-probs in the compacted layout.
     denominator: optional f32[] aggregation divisor of the whole mini-batch (gradient
@@ -208,6 +211,8 @@ def rl_loss(params, graphdef, ref_params, tokens: jax.Array, loss_mask: jax.Arra
   kw = dict(max_tokens=max_tokens, chunk_size=chunk_size, temperature=temperature)
   logp, entropy, mask, pos = masked_logprobs(params, graphdef, tokens, loss_mask, **kw)
   if loss_options["use_kl_loss"]:
+    if ref_params is None:    # LoRA: the reference is the base, i.e. the adapters off
+      ref_params = lora_lib.adapters_off(params)
     ref_logp, _, _, _ = masked_logprobs(ref_params, graphdef, tokens, loss_mask, **kw)
     ref_logp = jax.lax.stop_gradient(ref_logp)
   else:
@@ -259,20 +264,37 @@ def _jit_donating(step, in_shardings, out_shardings):
   return jax.jit(step, donate_argnums=(0, 1), **kw)
 
 
-def make_step(loss_fn, tx: optax.GradientTransformation, *, in_shardings=None,
-              out_shardings=None):
+def _trained_part(params, lora: bool):
+  """(trained, to_full): the leaves the optimizer updates and ``trained -> full params``.
+
+  Without LoRA every parameter is trained (``to_full`` is the identity); with it only the
+  adapters (``nnx.LoRAParam``), the frozen base closed over, so no gradient of the base is
+  ever formed."""
+  if not lora:
+    return params, lambda t: t
+  trained, frozen = lora_lib.split_trainable(params, True)
+  return trained, lambda t: lora_lib.merge(t, frozen)
+
+
+def make_step(loss_fn, tx: optax.GradientTransformation, *, lora: bool = False,
+              in_shardings=None, out_shardings=None):
   """Jitted ``step(params, opt_state, *batch) -> (params, opt_state, metrics)``.
 
   ``loss_fn(params, *batch) -> (loss, metrics)`` with static Python options bound in.
-  Params and optimizer state are donated. With an ``optax.apply_if_finite`` optimizer the
+  Params and optimizer state are donated. With ``lora`` the gradient and the optimizer (its
+  state built on the adapters alone) cover the ``nnx.LoRAParam`` leaves only; the base passes
+  through unchanged. With an ``optax.apply_if_finite`` optimizer the
   metrics also hold ``nonfinite_consecutive`` and ``nonfinite_updates`` (skipped updates in a
   row and in total, i32[]). ``in_shardings`` / ``out_shardings`` are passed
   to ``jax.jit`` as they are (e.g. ``(param_sh, opt_sh, data_sh, ...)`` and
   ``(param_sh, opt_sh, replicated)``), so on a mesh the layout is explicit.
   """
   def step(params, opt_state, *batch):
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, *batch)
-    return _apply_grads(tx, params, opt_state, grads, metrics)
+    trained, to_full = _trained_part(params, lora)
+    loss = lambda t: loss_fn(to_full(t), *batch)
+    (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(trained)
+    trained, opt_state, metrics = _apply_grads(tx, trained, opt_state, grads, metrics)
+    return to_full(trained), opt_state, metrics
 
   return _jit_donating(step, in_shardings, out_shardings)
 
@@ -299,8 +321,8 @@ def logprob_fn(graphdef, *, max_tokens: int, chunk_size: int,
 
 def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: int,
                   max_tokens: int, chunk_size: int, loss_options: dict[str, Any],
-                  on_policy: bool = False, temperature: float = 1.0, in_shardings=None,
-                  out_shardings=None):
+                  on_policy: bool = False, temperature: float = 1.0, lora: bool = False,
+                  in_shardings=None, out_shardings=None):
   """Jitted ``step(params, opt_state, ref_params, tokens, loss_mask, token_advantages,
   old_logprobs) -> (params, opt_state, metrics)``: one optimizer update on a mini-batch, its
   gradient accumulated over ``micro_batches`` equal micro-batches (``lax.scan``).
@@ -308,7 +330,8 @@ def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: 
   ``on_policy``: the step's only update on fresh rollouts; ``old_logprobs`` is ``None`` and the
   old log-probs are the current ones (``stop_gradient``, as :func:`rl_loss` with ``None``):
   exactly what a separate :func:`old_logprobs` pass with the same params gives, without it.
-  ``temperature``: the rollout's sampling temperature (:func:`rl_loss`).
+  ``temperature``: the rollout's sampling temperature (:func:`rl_loss`). ``lora``: only the
+  adapters are differentiated and updated (:func:`make_step`).
 
   Each micro-batch's loss is aggregated with the whole mini-batch's divisor
   (:func:`gigrl.loss.agg_denominator`, verl's ``batch_num_tokens`` / ``global_batch_size``), so
@@ -329,6 +352,7 @@ def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: 
                    temperature=temperature)
 
   def step(params, opt_state, ref_params, tokens, loss_mask, token_advantages, old_logprobs):
+    trained, to_full = _trained_part(params, lora)
     shifted = loss_mask[:, 1:]
     k = min(max_tokens, shifted.shape[1]) if on_policy else old_logprobs.shape[1]
     compact = jnp.take_along_axis(shifted, compact_positions(shifted, k), axis=1)
@@ -338,13 +362,13 @@ def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: 
     if on_policy:    # a placeholder row per micro-batch; micro_loss passes None to rl_loss
       old_logprobs = jnp.zeros((tokens.shape[0], 0), jnp.float32)
     xs = tuple(map(split, (tokens, loss_mask, token_advantages, old_logprobs)))
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-    shapes = jax.eval_shape(lambda: grad_fn(params, ref_params, *(x[0] for x in xs), denom))
+    grad_fn = jax.value_and_grad(lambda t, *a: micro_loss(to_full(t), *a), has_aux=True)
+    shapes = jax.eval_shape(lambda: grad_fn(trained, ref_params, *(x[0] for x in xs), denom))
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (shapes[1], shapes[0][1]))
 
     def grads_and_metrics(x):
       tok, mask, adv, old = x
-      (_, m), g = grad_fn(params, ref_params, tok, mask, adv, old, denom)
+      (_, m), g = grad_fn(trained, ref_params, tok, mask, adv, old, denom)
       w = mask[:, 1:].sum() / n_tok
       return g, {k_: (v * w if k_ in _TOKEN_MEAN_METRICS else v) for k_, v in m.items()}
 
@@ -358,7 +382,8 @@ def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: 
       grads, metrics = grads_and_metrics(tuple(x[0] for x in xs))
     else:
       (grads, metrics), _ = jax.lax.scan(body, zeros, xs)
-    return _apply_grads(tx, params, opt_state, grads, metrics)
+    trained, opt_state, metrics = _apply_grads(tx, trained, opt_state, grads, metrics)
+    return to_full(trained), opt_state, metrics
 
   return _jit_donating(step, in_shardings, out_shardings)
 

@@ -61,6 +61,13 @@ def _cli_cases(tmp):
       "hub_id_offline": (base + ["--config.model.hf_path=nosuch-org/nosuch-model"],
                          r"'model\.hf_path' has bad value 'nosuch-org/nosuch-model'; allowed: a "
                          r"local checkpoint directory or a hub id that can be downloaded"),
+      "lora_rank": (base + ["--config.model.lora.rank=-4"],
+                    r"'model\.lora\.rank' has bad value -4; allowed: an integer and >= 0"),
+      "lora_alpha": (base + ["--config.model.lora.rank=4", "--config.model.lora.alpha=0.0"],
+                     r"'model\.lora\.alpha' has bad value 0\.0; allowed: a number and > 0"),
+      "lora_target": (base + ["--config.model.lora.rank=4", "--config.model.lora.targets=q,v"],
+                      r"'model\.lora\.targets' has bad value 'q,v'; allowed: .*q_proj,k_proj,"
+                      r"v_proj,o_proj,gate_proj,up_proj,down_proj"),
       "server_down": (base + ["--config.search.backend=http", "--config.search.max_retries=0",
                               "--config.search.on_failure=empty",
                               "--config.search.url=http://127.0.0.1:9/retrieve"],
@@ -91,8 +98,9 @@ def cli_results(request, tmp_path_factory):
 
 CLI_CASES = ("unknown_field", "unknown_section", "missing_config", "config_raises", "bad_value",
              "no_workdir", "workdir_unwritable", "questions_empty", "unknown_source",
-             "hf_path_missing", "obs_budget", "prompt_budget", "hub_id_offline", "server_down")
-QUICK_CLI_CASES = ("unknown_field", "questions_empty", "obs_budget")
+             "hf_path_missing", "obs_budget", "prompt_budget", "hub_id_offline", "server_down",
+             "lora_rank", "lora_alpha", "lora_target")
+QUICK_CLI_CASES = ("unknown_field", "questions_empty", "obs_budget", "lora_target")
 
 
 @pytest.mark.parametrize("name", [

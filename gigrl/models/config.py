@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import ml_collections as mlc
 
 from gigrl.config_utils import ConfigError, UserError, check_choice, check_range, get_field
+from gigrl.models import lora as lora_lib
 
 DTYPES = ("float32", "bfloat16", "float16")
 TRAIN_SHARDINGS = ("replicated", "fsdp", "fsdp_tp", "tp")
@@ -194,6 +195,7 @@ def default_config() -> mlc.ConfigDict:
   c.train_sharding = "fsdp"   # one of TRAIN_SHARDINGS
   c.rollout_sharding = "auto"  # one of ROLLOUT_SHARDINGS; auto = tp up to 2 GiB of
                                # parameters, else fsdp_tp (no full copy per chip)
+  c.lora = lora_lib.default_config()  # LoRA adapters on a frozen base (rank 0 = off)
   return c
 
 
@@ -222,6 +224,7 @@ def validate(cfg_model: Any) -> None:
                       "at most one axis may be -1")
   check_choice(c, "model.train_sharding", TRAIN_SHARDINGS)
   check_choice(c, "model.rollout_sharding", ROLLOUT_SHARDINGS)
+  lora_lib.settings_from_config(cfg_model)
   if not cfg_model.hf_path:
     mc = _apply_overrides(PRESETS[cfg_model.preset], cfg_model, None)
     if mc.num_heads % mc.num_kv_heads:

@@ -17,6 +17,7 @@ uses:
   w_down                  [L, F, D]        P(None, 'tp', 'fsdp')
   attn_norm / mlp_norm    [L, D]           replicated
   final_norm              [D]              replicated
+  <w>_lora_a / _lora_b    [L, in, r] / [L, r, out]  the base w's in / out axis (LoRA)
 
 Preset 'fsdp' drops the 'tp' entries, 'tp' drops the 'fsdp' entries, 'replicated'
 drops both; 'auto' (the rollout default) is 'tp' for models up to 2 GiB of parameters
@@ -98,15 +99,30 @@ def fit_spec(spec: Sequence, shape: Sequence[int], mesh: Mesh) -> P:
   return P(*out)
 
 
+def _adapter_spec(name: str) -> tuple | None:
+  """The full spec of ``name``; a LoRA adapter follows its base weight [L, in, out]:
+  A [L, in, r] keeps the base's ``in`` axis, B [L, r, out] its ``out`` axis."""
+  if name in _FULL:
+    return _FULL[name]
+  for suffix, keep_axis in (("_lora_a", 1), ("_lora_b", 2)):
+    base = name[:-len(suffix)]
+    if name.endswith(suffix) and base in _FULL:
+      spec = [None, None, None]
+      spec[keep_axis] = _FULL[base][keep_axis]
+      return tuple(spec)
+  return None
+
+
 def param_spec(name: str, shape: Sequence[int], mesh: Mesh, preset: str) -> P:
   """PartitionSpec of parameter `name` (a key of the Transformer state) under `preset`."""
   if preset not in _KEEP:
     raise ValueError(f"unknown sharding preset {preset!r}; one of {PRESET_NAMES} "
                      "('auto' only through param_shardings)")
-  if name not in _FULL:
+  full = _adapter_spec(name)
+  if full is None:
     raise KeyError(f"no sharding rule for parameter {name!r}")
   keep = _KEEP[preset]
-  spec = tuple(e if e in keep else None for e in _FULL[name])
+  spec = tuple(e if e in keep else None for e in full)
   return fit_spec(spec, shape, mesh)
 
 
@@ -145,7 +161,8 @@ def opt_state_shardings(opt_state: Any, params: Any, mesh: Mesh, preset: str) ->
   """
   def one(path, x):
     name = _leaf_name(path)
-    if name in _FULL and len(x.shape) == len(_FULL[name]):
+    full = _adapter_spec(name) if name else None
+    if full is not None and len(x.shape) == len(full):
       return NamedSharding(mesh, param_spec(name, x.shape, mesh, preset))
     return NamedSharding(mesh, P())
   del params  # names and ranks suffice; kept in the signature for clarity

@@ -27,6 +27,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from gigrl.models import attention as attn
+from gigrl.models import lora as lora_lib
 from gigrl.models.attention import attend, attend_causal  # noqa: F401  (re-exported)
 from gigrl.models.config import ModelConfig
 
@@ -249,6 +250,7 @@ class Layers(nnx.Module):
              "w_down"]
     if hasattr(self, "bq"):
       names += ["bq", "bk", "bv"]
+    names += lora_lib.adapter_names(self)     # LoRA A / B beside their base weights
     return {n: getattr(self, n)[...].astype(dtype) for n in names}
 
   def unstacked(self, dtype) -> list[dict[str, jax.Array]]:
@@ -310,10 +312,16 @@ class Transformer(nnx.Module):
       out = jnp.einsum("nd,dv->nv", h2, w, preferred_element_type=jnp.float32)
     return out.reshape(*h.shape[:-1], out.shape[-1])
 
+  def _proj(self, p: dict, name: str, x: jax.Array) -> jax.Array:
+    """x @ p[name], plus the LoRA term when the layer has adapters on ``name``."""
+    y = dense(x, p[name])
+    extra = lora_lib.low_rank(x, p, name, getattr(self.layers, "lora_scale", 1.0))
+    return y if extra is None else y + extra
+
   def _qkv(self, p, h, positions):
     cfg = self.cfg
     b, c, _ = h.shape
-    q, k, v = dense(h, p["wq"]), dense(h, p["wk"]), dense(h, p["wv"])
+    q, k, v = self._proj(p, "wq", h), self._proj(p, "wk", h), self._proj(p, "wv", h)
     if "bq" in p:
       q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     q = q.reshape(b, c, cfg.num_heads, cfg.head_dim)
@@ -338,9 +346,10 @@ class Transformer(nnx.Module):
     q, k, v = self._qkv(p, rms_norm(x, p["attn_norm"], eps), positions)
     o, aux = attention(q, k, v)
     b, c = o.shape[:2]
-    x = x + dense(o.reshape(b, c, -1), p["wo"])
+    x = x + self._proj(p, "wo", o.reshape(b, c, -1))
     h = rms_norm(x, p["mlp_norm"], eps)
-    x = x + dense(swiglu(dense(h, p["w_gate"]), dense(h, p["w_up"])), p["w_down"])
+    mlp = swiglu(self._proj(p, "w_gate", h), self._proj(p, "w_up", h))
+    x = x + self._proj(p, "w_down", mlp)
     return constrain_batch(x), aux
 
   def _maybe_remat(self, fn):
