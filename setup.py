@@ -33,7 +33,7 @@ CORE = [
 TEST = ["pytest>=8", "pytest-xdist>=3.7", "hypothesis>=6.100", "nbclient>=0.10",
         "nbformat>=5.10", "ipykernel>=6.29"]
 # accelerate: transformers' own GGUF loader needs it (the GGUF parity tests' reference).
-HF = ["torch==2.13.0", "transformers>=4.50", "accelerate>=1.0"]
+HF = ["torch==2.13.0", "transformers>=4.50", "accelerate>=1.0", "peft>=0.13"]
 
 setuptools.setup(
     name="gigrl",
@@ -55,6 +55,7 @@ setuptools.setup(
             "gigrl-eval=gigrl.eval_cli:run",
             "gigrl-sweep=gigrl.sweep:run",
             "gigrl-fetch=gigrl.models.fetch:run",
+            "gigrl-export=gigrl.export_cli:run",
         ]
     },
 )

@@ -217,6 +217,7 @@ def load_policy(args: argparse.Namespace):
   from gigrl.config_utils import UserError
   from gigrl.data import tokenizer as tok_lib
   from gigrl.models import fetch
+  from gigrl.models import lora as lora_lib
   from gigrl.models import sharding as sharding_lib
   # pylint: enable=g-import-not-at-top
   cfg = config_lib.base_config()
@@ -266,8 +267,10 @@ def load_policy(args: argparse.Namespace):
   policy = build.build_policy(cfg, tokenizer.vocab_size)
   params = policy.params
   if args.workdir:
+    # a LoRA run's checkpoint holds the adapters alone; the base is model.hf_path / the preset
+    trained = policy.trained(params)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                           sharding=x.sharding), params)
+                                                           sharding=x.sharding), trained)
     ckpt.close()
     target = {"params": abstract}     # only the params are read (no optimizer state)
     restored = ocp.PyTreeCheckpointer().restore(
@@ -275,7 +278,10 @@ def load_policy(args: argparse.Namespace):
         args=ocp.args.PyTreeRestore(
             item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
             partial_restore=True))
-    params = sharding_lib.shard_state(restored["params"], policy.mesh, policy.train_preset)
+    loaded = restored["params"]
+    if policy.lora.enabled:
+      loaded = lora_lib.merge(loaded, lora_lib.split_trainable(params, True)[1])
+    params = sharding_lib.shard_state(loaded, policy.mesh, policy.train_preset)
   return cfg, policy, params, step, tokenizer
 
 

@@ -31,7 +31,7 @@ LAYERS = (
     ("update", ("gigrl.update", "gigrl.train_state")),
     ("trainer", ("gigrl.rl_batch", "gigrl.evaluate", "gigrl.checkpoint", "gigrl.metrics",
                  "gigrl.build", "gigrl.config", "gigrl.trainer", "gigrl.testing")),
-    ("cli", ("gigrl.train", "gigrl.compile", "gigrl.eval_cli", "gigrl.sweep")),
+    ("cli", ("gigrl.train", "gigrl.compile", "gigrl.eval_cli", "gigrl.sweep", "gigrl.export_cli")),
 )
 
 

@@ -1,5 +1,6 @@
 """LoRA adapters (gigrl.models.lora): the base at step 0, only adapters trained, the reference
 is the base with the adapters off, adapter-only checkpoints that resume exactly."""
+import argparse
 import json
 import os
 import subprocess
@@ -187,14 +188,21 @@ def _bytes(path):
   return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+  """An uninterrupted LoRA run of 3 SFT + 4 RL steps (with the KL loss)."""
+  whole = tmp_path_factory.mktemp("lora") / "whole"
+  _train(whole, *LORA)
+  return whole
+
+
 @pytest.mark.slow
-def test_lora_run_resumes_exactly_with_adapter_only_checkpoints(tmp_path):
+def test_lora_run_resumes_exactly_with_adapter_only_checkpoints(tmp_path, lora_run):
   """SFT and RL (with the KL loss) train adapters; a run stopped after step 4 and continued
   equals the uninterrupted run; its checkpoints hold the adapters and name their base; a
   checkpoint of another base is refused with one line."""
-  whole, part = tmp_path / "whole", tmp_path / "part"
-  _train(whole, *LORA)
-  want = _metrics(whole)
+  part = tmp_path / "part"
+  want = _metrics(lora_run)
   assert [r["step"] for r in want] == list(range(1, 8))
   assert all(np.isfinite(r["loss"]) for r in want)
   assert any(r.get("kl", 0) > 0 for r in want if r.get("phase") == "rl")
@@ -220,3 +228,41 @@ def test_lora_checkpoint_is_at_most_a_quarter_of_a_full_one(tmp_path):
   full = _bytes(tmp_path / "full" / "checkpoints" / "1")
   lora = _bytes(tmp_path / "lora" / "checkpoints" / "1")
   assert lora * 4 <= full, (lora, full)
+
+
+@pytest.mark.slow
+def test_export_merged_loads_in_transformers_and_adapters_in_peft(tmp_path, lora_run):
+  """gigrl-export: the merged directory's logits in transformers equal gigrl's LoRA model's;
+  ``--peft`` adapters loaded by peft on the base give the same logits; gigrl-eval reads the
+  adapter-only checkpoint."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  peft = pytest.importorskip("peft")
+  from gigrl import eval_cli
+  from gigrl import export_cli
+  from gigrl.models import hf
+  merged, adapters, base_dir = tmp_path / "merged", tmp_path / "adapters", tmp_path / "base"
+  files = export_cli.export(str(lora_run), str(merged))
+  assert {"config.json", "model.safetensors"} <= {os.path.basename(f) for f in files}
+  export_cli.export(str(lora_run), str(adapters), peft=True)
+  assert json.load(open(adapters / "adapter_config.json"))["r"] == 8
+  args = argparse.Namespace(workdir=str(lora_run), step=None, config=None, set=[],
+                            hf_path=None, retriever=None, retrieval_url=None, corpus=None,
+                            topk=None, temperature=None)
+  _, policy, params, step, _ = eval_cli.load_policy(args)
+  assert step == 7 and lora_lib.is_lora(params)
+  tokens = np.random.default_rng(0).integers(1, 500, (2, 10))
+  want = np.asarray(nnx.merge(policy.graphdef, params)(jnp.asarray(tokens)))
+  base_model = nnx.merge(policy.graphdef, lora_lib.adapters_off(params))
+  hf.to_hf(base_model, policy.model_cfg, str(base_dir))
+  with torch.no_grad():
+    ids = torch.tensor(tokens, dtype=torch.long)
+    got = transformers.AutoModelForCausalLM.from_pretrained(str(merged)).eval()(ids).logits
+    np.testing.assert_allclose(got.numpy(), want, atol=2e-4)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir)).eval()
+    base_logits = base(ids).logits.numpy()
+    with_peft = peft.PeftModel.from_pretrained(base, str(adapters)).eval()
+    np.testing.assert_allclose(with_peft(ids).logits.numpy(), want, atol=2e-4)
+  assert np.abs(base_logits - want).max() > 1e-4      # the adapters changed the function
+  with pytest.raises(Exception, match="not an empty directory"):
+    export_cli.export(str(lora_run), str(merged))

@@ -30,6 +30,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from gigrl.models.config import (SUPPORTED, HFImportError, ModelConfig,  # noqa: F401
                                  config_from_hf, read_hf_config)
 from gigrl.models.transformer import Transformer
+from gigrl.models import lora as lora_lib
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
               "F64": np.float64, "I64": np.int64, "I32": np.int32}
@@ -262,12 +263,17 @@ def to_hf(model: Transformer, cfg: ModelConfig, out_dir: str, *,
           dtype: str | None = None, max_shard_bytes: int = 4 << 30) -> list[str]:
   """Writes config.json + safetensors (sharded with an index past max_shard_bytes).
 
+  A model with LoRA adapters is written merged (:func:`gigrl.models.lora.merge_into_base`):
+  the directory is a plain HF checkpoint of the fine-tuned model.
+
   Arrays are gathered to host one parameter at a time. Returns the written files.
   """
   os.makedirs(out_dir, exist_ok=True)
   np_dtype = np.dtype(ml_dtypes.bfloat16 if (dtype or cfg.param_dtype) == "bfloat16"
                       else (dtype or cfg.param_dtype))
   pure = nnx.to_pure_dict(nnx.state(model))
+  if lora_lib.adapter_names(model.layers):    # LoRA: write the merged model, W + (alpha/r) A B
+    pure["layers"] = lora_lib.merge_into_base(pure["layers"], model.layers.lora_scale)
   flat = {"embed": pure["embed"], "final_norm": pure["final_norm"], **pure["layers"]}
   if "lm_head" in pure:
     flat["lm_head"] = pure["lm_head"]
@@ -302,4 +308,32 @@ def to_hf(model: Transformer, cfg: ModelConfig, out_dir: str, *,
                  "float16": "float16"}[str(np_dtype)]
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(hf_config_dict(cfg, torch_dtype), f, indent=2)
+  return files
+
+
+def to_peft(model: Transformer, settings: "lora_lib.LoraSettings", out_dir: str, *,
+            base: str) -> list[str]:
+  """Writes the LoRA adapters alone in peft's format (``adapter_config.json``,
+  ``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained(base_model, out_dir)``
+  loads on the base.
+
+  Args:
+    model: a Transformer with adapters (``lora.add_adapters``); settings: its ``model.lora``.
+    base: the base checkpoint's path or hub id (``base_model_name_or_path``).
+  Returns:
+    the written files.
+  Raises:
+    ValueError: the model has no adapters.
+  """
+  pure = nnx.to_pure_dict(nnx.state(model))["layers"]
+  if not lora_lib.adapter_names(model.layers):
+    raise ValueError("the model has no LoRA adapters (model.lora.rank is 0)")
+  host = {k: np.asarray(jax.device_get(v), np.float32) for k, v in pure.items()}
+  tensors = {k: np.ascontiguousarray(v) for k, v in lora_lib.peft_tensors(host).items()}
+  os.makedirs(out_dir, exist_ok=True)
+  files = [os.path.join(out_dir, "adapter_model.safetensors"),
+           os.path.join(out_dir, "adapter_config.json")]
+  write_safetensors(files[0], tensors)
+  with open(files[1], "w") as f:
+    json.dump(lora_lib.peft_config(settings, base), f, indent=2)
   return files

@@ -164,3 +164,53 @@ def adapters_off(params: Any) -> Any:
   """
   lora, rest = nnx.split_state(params, nnx.LoRAParam, ...)
   return nnx.merge_state(jax.tree.map(jnp.zeros_like, lora), rest)
+
+
+def merge_into_base(layers: dict[str, Any], scale: float) -> dict[str, Any]:
+  """The layer weights with each adapter folded in, W' = W + scale · A B, adapters dropped.
+
+  Args:
+    layers: ``nnx.to_pure_dict`` of ``Transformer.layers`` (host or device arrays); the base
+      weights [L, in, out], adapters A [L, in, r] and B [L, r, out].
+    scale: alpha / rank (``layers.lora_scale``).
+  Returns:
+    a new dict without ``*_lora_a`` / ``*_lora_b`` (the base model's layout), f32 merge cast
+    back to each base weight's dtype.
+  """
+  out = {k: v for k, v in layers.items() if not k.endswith((SUFFIX_A, SUFFIX_B))}
+  for name in layers:
+    if name.endswith(SUFFIX_A):
+      base = name[:-len(SUFFIX_A)]
+      a = jnp.asarray(layers[name], jnp.float32)
+      b = jnp.asarray(layers[base + SUFFIX_B], jnp.float32)
+      w = out[base]
+      out[base] = (jnp.asarray(w, jnp.float32)
+                   + scale * jnp.einsum("lir,lro->lio", a, b)).astype(w.dtype)
+  return out
+
+
+def peft_tensors(layers: dict[str, Any]) -> dict[str, Any]:
+  """peft's ``adapter_model.safetensors`` tensors of the adapters in ``layers`` (pure dict).
+
+  peft names ``base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_A.weight``
+  [r, in] and ``...lora_B.weight`` [out, r] (torch Linear layout: ours transposed).
+  """
+  module = {v: k for k, v in TARGETS.items()}
+  out = {}
+  for name, arr in layers.items():
+    for suffix, tag in ((SUFFIX_A, "lora_A"), (SUFFIX_B, "lora_B")):
+      if name.endswith(suffix):
+        proj = module[name[:-len(suffix)]]
+        block = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+        for i, layer in enumerate(arr):
+          out[f"base_model.model.model.layers.{i}.{block}.{proj}.{tag}.weight"] = layer.T
+  return out
+
+
+def peft_config(settings: LoraSettings, base: str) -> dict[str, Any]:
+  """peft's ``adapter_config.json`` for these adapters on ``base`` (a path or hub id)."""
+  return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
+          "r": settings.rank, "lora_alpha": settings.alpha,
+          "target_modules": list(settings.targets), "lora_dropout": settings.dropout,
+          "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+          "init_lora_weights": True, "use_rslora": False, "use_dora": False}
