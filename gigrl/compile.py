@@ -243,6 +243,7 @@ def compile_programs(cfg, topology: str, programs: Sequence[str] = PROGRAMS,
   from gigrl import build
   from gigrl import config as config_lib
   from gigrl import models
+  from gigrl.models import lora as lora_lib
   from gigrl.models import sampler
   from gigrl.models import sharding as shd
   from gigrl.models.transformer import KVCache
@@ -258,7 +259,13 @@ def compile_programs(cfg, topology: str, programs: Sequence[str] = PROGRAMS,
   build.check_rows_fit_mesh(cfg, mesh)
   model_cfg = models.model_config_from(cfg.model, _vocab_size(cfg)).resolve("tpu")
   model_cfg = model_cfg.replace(kernel_interpret=False)
-  abstract = nnx.eval_shape(lambda: models.Transformer(model_cfg, rngs=nnx.Rngs(0)))
+  lora = lora_lib.settings_from_config(cfg.model)
+
+  def make_model():
+    model = models.Transformer(model_cfg, rngs=nnx.Rngs(0))
+    return lora_lib.add_adapters(model, lora, rngs=nnx.Rngs(1)) if lora.enabled else model
+
+  abstract = nnx.eval_shape(make_model)
   graphdef, abs_state = nnx.split(abstract)
   train_preset, rollout_preset = cfg.model.train_sharding, cfg.model.rollout_sharding
   param_sh = shd.param_shardings(abs_state, mesh, train_preset)
@@ -297,9 +304,17 @@ def compile_programs(cfg, topology: str, programs: Sequence[str] = PROGRAMS,
   if {"sft_step", "rl_step", "old_logprobs"} & set(programs):
     policy = build.Policy(model_cfg=model_cfg, graphdef=graphdef, mesh=mesh, params=params,
                           param_sh=param_sh, train_preset=train_preset,
-                          rollout_preset=rollout_preset)
+                          rollout_preset=rollout_preset, lora=lora)
     steps = build.build_steps(cfg, policy)
-    opt_state = _abstract(jax.eval_shape(steps.rl_tx.init, params), steps.opt_sh)
+    opt_state = _abstract(jax.eval_shape(steps.rl_tx.init, policy.trained(params)),
+                          steps.opt_sh)
+    ref = None if lora.enabled else params     # LoRA: the reference is the adapters off
+    if log:
+      trained = policy.trained(params)
+      gib = lambda tree: f"{(0 if tree is None else per_device_bytes(tree)) / GiB:.4g} GiB"
+      log(f"state per chip: params {gib(params)} ({gib(trained)} trained, "
+          + (lora.describe() if lora.enabled else "full fine-tuning")
+          + f"), optimizer {gib(opt_state)}, reference {gib(ref)}")
     s_len = settings.seq_len
     if "sft_step" in programs:
       rows = int(cfg.train.sft_batch_size)
@@ -318,7 +333,7 @@ def compile_programs(cfg, topology: str, programs: Sequence[str] = PROGRAMS,
                        (jnp.int32, jnp.float32, jnp.float32))
     if "rl_step" in programs and whole:
       run("rl_step", f"{rows} rows x {s_len} tokens",
-          lambda: _jitted(steps.rl_step).lower(params, opt_state, params, toks, mask, adv),
+          lambda: _jitted(steps.rl_step).lower(params, opt_state, ref, toks, mask, adv),
           flops(rows * s_len, train_factor))
     elif "rl_step" in programs:
       n_micro = mini // min(micro, mini)
@@ -326,7 +341,7 @@ def compile_programs(cfg, topology: str, programs: Sequence[str] = PROGRAMS,
       old = None if single else rows_spec((mini, k), jnp.float32)
       run("rl_step", f"{mini} rows ({n_micro} x {mini // n_micro}) x {s_len} tokens",
           lambda: _jitted(steps.ppo_step(n_micro, on_policy=single)).lower(
-              params, opt_state, params, toks, mask, adv, old),
+              params, opt_state, ref, toks, mask, adv, old),
           flops(mini * s_len, train_factor))
     if "old_logprobs" in programs and not single:
       # update.old_logprobs: one PPO micro-batch of rows per call
@@ -375,6 +390,16 @@ def compile_programs(cfg, topology: str, programs: Sequence[str] = PROGRAMS,
     run("obs_extend", f"{b} rows x {settings.obs_width} tokens, cache {cache_len}",
         extend_program(settings.obs_width), flops(b * settings.obs_width, 2))
   return reports
+
+
+def per_device_bytes(tree) -> int:
+  """Bytes one device holds of an abstract array tree (each leaf's shard under its sharding)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) else x.shape
+    total += math.prod(shape) * x.dtype.itemsize
+  return total
 
 
 def _jitted(step):

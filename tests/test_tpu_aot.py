@@ -98,3 +98,24 @@ def test_ppo_mini_and_micro_batches_compile_the_accumulating_step():
   assert (rl.name, rl.shapes) == ("rl_step", "4 rows (1 x 4) x 80 tokens")
   assert (old.name, old.shapes) == ("old_logprobs", "8 rows (2 x 4) x 80 tokens")
   assert rl.fits and old.fits and rl.kernels >= 2
+
+
+def test_lora_train_step_compiles_with_adapter_only_optimizer_state():
+  """model.lora: the RL update compiles on a v5e slice (adapters sharded after their base
+  matrices), and the optimizer state the log line reports is the adapters' alone."""
+  lines = []
+  cfg = _tiny_config()
+  cfg.model.lora.rank = 8
+  (rl,) = compile_lib.compile_programs(cfg, "v5e-4", ("rl_step",), log=lines.append)
+  full_lines = []
+  compile_lib.compile_programs(_tiny_config(), "v5e-4", ("rl_step",),
+                               log=full_lines.append)
+  assert rl.fits and rl.kernels >= 2
+  state, full = lines[0], full_lines[0]
+  assert "LoRA rank 8" in state and "reference 0 GiB" in state, state
+  assert "full fine-tuning" in full and "reference 0 GiB" not in full, full
+  opt = lambda line: float(line.split("optimizer ")[1].split(" GiB")[0])
+  trained = lambda line: float(line.split("(")[1].split(" GiB")[0])
+  assert opt(state) == pytest.approx(2 * trained(state), rel=0.01)   # Adam mu, nu: adapters
+  assert opt(full) == pytest.approx(2 * trained(full), rel=0.01)
+  assert opt(state) < opt(full) / 2, (state, full)
