@@ -167,18 +167,9 @@ def restore_params(workdir: str | epath.PathLike, step: int | None, target_param
     StateMismatchError: the checkpoint's params differ in structure, shape or dtype.
   """
   directory = checkpoint_dir(workdir)
-  manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False),
-                                  item_handlers={"state": ocp.PyTreeCheckpointHandler(),
-                                                 "meta": ocp.JsonCheckpointHandler()})
+  manager = _reader(directory)
   try:
-    steps = sorted(manager.all_steps()) if directory.exists() else []
-    if not steps or (step is not None and step not in steps):
-      raise CheckpointError(f"train.init_from: {directory} has no checkpoint"
-                            + (f" at step {step} (it has {steps})" if step is not None and steps
-                               else ""))
-    step = steps[-1] if step is None else step
-    meta = dict(manager.restore(step, args=ocp.args.Composite(
-        meta=ocp.args.JsonRestore())).meta)
+    step, meta = _step_and_meta(manager, directory, step)
     saved = manager.item_metadata(step)["state"]
     saved_params = getattr(saved, "tree", saved)["params"]
     abstract = state_lib.abstract(target_params)
@@ -190,6 +181,38 @@ def restore_params(workdir: str | epath.PathLike, step: int | None, target_param
         item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
         partial_restore=True)))
     return restored.state["params"], meta
+  finally:
+    manager.close()
+
+
+def _reader(directory: epath.Path) -> ocp.CheckpointManager:
+  return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False),
+                               item_handlers={"state": ocp.PyTreeCheckpointHandler(),
+                                              "meta": ocp.JsonCheckpointHandler()})
+
+
+def _step_and_meta(manager, directory, step: int | None) -> tuple[int, dict[str, Any]]:
+  steps = sorted(manager.all_steps()) if directory.exists() else []
+  if not steps or (step is not None and step not in steps):
+    raise CheckpointError(f"train.init_from: {directory} has no checkpoint"
+                          + (f" at step {step} (it has {steps})" if step is not None and steps
+                             else ""))
+  step = steps[-1] if step is None else step
+  return step, dict(manager.restore(step, args=ocp.args.Composite(
+      meta=ocp.args.JsonRestore())).meta)
+
+
+def restore_meta(workdir: str | epath.PathLike, step: int | None) -> dict[str, Any]:
+  """The JSON metadata of another run's checkpoint (``step``, ``phase``, ``config``, and
+  ``lora_base`` for a LoRA run); ``step`` None = the newest.
+
+  Raises:
+    CheckpointError: no checkpoint there, or not the requested step.
+  """
+  directory = checkpoint_dir(workdir)
+  manager = _reader(directory)
+  try:
+    return _step_and_meta(manager, directory, step)[1]
   finally:
     manager.close()
 

@@ -251,6 +251,7 @@ class Trainer:
         params=params, opt_state=self.steps.init_opt(self.steps.sft_tx, params),
         ref_params=None, adv_state=adv_state, step=0, pool=self.pool.state_dict())
     self._initialized_from: str | None = None     # train.init_from, when it was used
+    self._lora_base: str | None = None            # LoRA on a full run's params (init_from)
 
   # ------------------------------------------------------------------ checkpoints
   def _config_json(self) -> dict[str, Any]:
@@ -277,10 +278,42 @@ class Trainer:
     return state.replace(params=lora_lib.merge(state.params, frozen), ref_params=None)
 
   def _base_name(self) -> str:
-    """What the LoRA adapters belong to: the checkpoint directory or the preset and seed."""
+    """What the LoRA adapters belong to: a full run's checkpoint (``train.init_from``), the
+    checkpoint directory, or the preset and seed."""
     m = self.cfg.model
-    return (os.path.abspath(m.hf_path) if m.hf_path and os.path.isdir(m.hf_path) else
-            m.hf_path or f"preset {m.preset}, seed {self.cfg.seed}")
+    return self._lora_base or (
+        os.path.abspath(m.hf_path) if m.hf_path and os.path.isdir(m.hf_path) else
+        m.hf_path or f"preset {m.preset}, seed {self.cfg.seed}")
+
+  def _init_source(self) -> tuple[str, int | None] | None:
+    """(workdir, step or None) of ``train.init_from``; None when it is not set.
+
+    Raises:
+      ConfigError: naming ``train.init_from`` when ``@step`` is not an integer.
+    """
+    value = self.cfg.train.init_from
+    if not value:
+      return None
+    path, _, at = value.rpartition("@") if "@" in value else (value, "", "")
+    if at and not at.isdigit():
+      raise ConfigError("train.init_from", value, "'<workdir>' or '<workdir>@<step>'")
+    return path, int(at) if at else None
+
+  def _load_lora_base(self) -> None:
+    """LoRA with ``train.init_from`` naming a full fine-tuning run (e.g. its SFT warm-start):
+    that run's params become this run's frozen base, under fresh (B = 0) adapters."""
+    source = self._init_source()
+    if not (self.policy.lora.enabled and source):
+      return
+    meta = ckpt_lib.restore_meta(*source)
+    if "lora_base" in meta:          # a LoRA run: its adapters continue on its own base
+      return
+    trained, frozen = lora_lib.split_trainable(self.policy.params, True)
+    base, _ = ckpt_lib.restore_params(source[0], int(meta["step"]), frozen)
+    self.policy.params = lora_lib.merge(trained, base)
+    self.state = self.state.replace(params=self.policy.params)
+    self._lora_base = f"train.init_from {os.path.abspath(source[0])}@{meta['step']}"
+    _log(f"LoRA base: the params of {source[0]} step {meta['step']}")
 
   def _check_base(self, meta: dict[str, Any]) -> None:
     """ConfigError naming ``model.hf_path`` when a LoRA checkpoint's adapters were trained
@@ -305,6 +338,7 @@ class Trainer:
   def _restore(self) -> None:
     """Continues from the latest checkpoint, if any (see :meth:`Checkpointer.restore_latest`)."""
     config = self._config_json()
+    self._load_lora_base()
     out = self.ckpt.restore_latest(self._checkpointed(self.state), config)
     if out is None:
       if self.cfg.train.init_from:
@@ -334,13 +368,14 @@ class Trainer:
         checkpoint is not at step ``train.sft_steps``.
       CheckpointError / StateMismatchError: no such checkpoint, or other model params.
     """
-    path, _, at = value.rpartition("@") if "@" in value else (value, "", "")
-    if at and not at.isdigit():
-      raise ConfigError("train.init_from", value, "'<workdir>' or '<workdir>@<step>'")
-    target = self._checkpointed(self.state).params      # the adapters alone with LoRA
-    params, meta = ckpt_lib.restore_params(path, int(at) if at else None, target)
-    self._check_base(meta)
-    params = self._with_base(self.state.replace(params=params)).params
+    path, at = self._init_source()
+    if self._lora_base:    # LoRA on a full run's params: loaded as the base, adapters fresh
+      params, meta = self.state.params, ckpt_lib.restore_meta(path, at)
+    else:
+      target = self._checkpointed(self.state).params      # the adapters alone with LoRA
+      params, meta = ckpt_lib.restore_params(path, at, target)
+      self._check_base(meta)
+      params = self._with_base(self.state.replace(params=params)).params
     sft = int(self.cfg.train.sft_steps)
     if int(meta["step"]) != sft:
       raise ConfigError("train.init_from", value,

@@ -266,3 +266,25 @@ def test_export_merged_loads_in_transformers_and_adapters_in_peft(tmp_path, lora
   assert np.abs(base_logits - want).max() > 1e-4      # the adapters changed the function
   with pytest.raises(Exception, match="not an empty directory"):
     export_cli.export(str(lora_run), str(merged))
+
+
+@pytest.mark.slow
+def test_lora_rl_on_a_full_fine_tuning_warm_start(tmp_path):
+  """``train.init_from`` naming a full SFT run: its params are the frozen base under fresh
+  adapters, so the first RL step's rollouts are exactly the full run's (same policy); the run
+  resumes exactly, and its checkpoints name that base."""
+  sft, full, whole, part = (tmp_path / n for n in ("sft", "full", "whole", "part"))
+  _train(sft, "--config.train.num_steps=0")
+  init = f"--config.train.init_from={sft}"
+  _train(full, init)
+  _train(whole, *LORA, init)
+  want = _metrics(whole)
+  assert [r["step"] for r in want] == [4, 5, 6, 7]
+  first_full = _metrics(full)[0]
+  for key in ("reward_mean", "search_calls_mean", "turns_mean"):
+    assert want[0][key] == first_full[key], key
+  _train(part, *LORA, init, "--config.train.num_steps=1")
+  _train(part, *LORA, init)
+  assert _metrics(part) == want
+  meta = json.load(open(part / "checkpoints" / "7" / "meta" / "metadata"))
+  assert meta["lora_base"] == f"train.init_from {sft}@3"
