@@ -118,15 +118,20 @@ def test_reference_is_the_base_with_the_adapters_off():
 
 
 def test_adapters_follow_their_base_matrix_sharding():
-  mesh = shd.make_mesh({"data": 1, "fsdp": 1, "tp": 1}, devices=jax.devices()[:1])
-  spec = lambda n, shape: shd._adapter_spec(n)
-  assert spec("wq_lora_a", None) == (None, "fsdp", None)
-  assert spec("wq_lora_b", None) == (None, None, "tp")
-  assert spec("w_down_lora_a", None) == (None, "tp", None)
-  assert spec("w_down_lora_b", None) == (None, None, "fsdp")
+  """A splits its base's in dimension, B its out dimension, over both axes the base uses;
+  a preset drops the axes it drops from the base."""
   P = jax.sharding.PartitionSpec
-  assert shd.param_spec("wo_lora_b", (2, 4, 128), mesh, "fsdp_tp") == P(None, None, "fsdp")
-  assert shd.param_spec("wo_lora_a", (2, 128, 4), mesh, "fsdp") == P(None, None, None)
+  spec = shd._adapter_spec
+  assert spec("wq_lora_a") == (None, ("fsdp", "tp"), None)
+  assert spec("wq_lora_b") == (None, None, ("tp", "fsdp"))
+  assert spec("w_down_lora_a") == (None, ("tp", "fsdp"), None)
+  assert spec("w_down_lora_b") == (None, None, ("fsdp", "tp"))
+  mesh = shd.make_mesh({"data": 1, "fsdp": 1, "tp": 1}, devices=jax.devices()[:1])
+  assert shd.param_spec("wo_lora_b", (2, 4, 128), mesh, "fsdp_tp") == P(None, None,
+                                                                           ("fsdp", "tp"))
+  assert shd.param_spec("wo_lora_b", (2, 4, 128), mesh, "fsdp") == P(None, None, "fsdp")
+  assert shd.param_spec("wq_lora_b", (2, 4, 128), mesh, "fsdp") == P(None, None, "fsdp")
+  assert shd.param_spec("wq_lora_a", (2, 128, 4), mesh, "replicated") == P(None, None, None)
   with pytest.raises(KeyError):
     shd.param_spec("nosuch_lora_a", (2, 4, 4), mesh, "fsdp")
 

@@ -17,7 +17,7 @@ uses:
   w_down                  [L, F, D]        P(None, 'tp', 'fsdp')
   attn_norm / mlp_norm    [L, D]           replicated
   final_norm              [D]              replicated
-  <w>_lora_a / _lora_b    [L, in, r] / [L, r, out]  the base w's in / out axis (LoRA)
+  <w>_lora_a / _lora_b    [L, in, r] / [L, r, out]  in / out dim over both of w's axes (LoRA)
 
 Preset 'fsdp' drops the 'tp' entries, 'tp' drops the 'fsdp' entries, 'replicated'
 drops both; 'auto' (the rollout default) is 'tp' for models up to 2 GiB of parameters
@@ -100,17 +100,29 @@ def fit_spec(spec: Sequence, shape: Sequence[int], mesh: Mesh) -> P:
 
 
 def _adapter_spec(name: str) -> tuple | None:
-  """The full spec of ``name``; a LoRA adapter follows its base weight [L, in, out]:
-  A [L, in, r] keeps the base's ``in`` axis, B [L, r, out] its ``out`` axis."""
+  """The full spec of ``name``. A LoRA adapter follows its base weight [L, in, out]: A
+  [L, in, r] splits the base's ``in`` dimension, B [L, r, out] its ``out`` dimension, each over
+  both mesh axes the base uses (its own dimension's first): the rank dimension is too small
+  to split, and with one axis only, a pure FSDP (or TP) layout would copy half the adapters
+  onto every chip."""
   if name in _FULL:
     return _FULL[name]
-  for suffix, keep_axis in (("_lora_a", 1), ("_lora_b", 2)):
+  for suffix, dim in (("_lora_a", 1), ("_lora_b", 2)):
     base = name[:-len(suffix)]
     if name.endswith(suffix) and base in _FULL:
+      full = _FULL[base]
       spec = [None, None, None]
-      spec[keep_axis] = _FULL[base][keep_axis]
+      spec[dim] = (full[dim], full[3 - dim])
       return tuple(spec)
   return None
+
+
+def _masked(entry, keep: tuple):
+  """A spec entry with the axes a preset drops removed (a tuple entry keeps its kept axes)."""
+  if isinstance(entry, tuple):
+    kept = tuple(a for a in entry if a in keep)
+    return kept if len(kept) > 1 else (kept[0] if kept else None)
+  return entry if entry in keep else None
 
 
 def param_spec(name: str, shape: Sequence[int], mesh: Mesh, preset: str) -> P:
@@ -122,7 +134,7 @@ def param_spec(name: str, shape: Sequence[int], mesh: Mesh, preset: str) -> P:
   if full is None:
     raise KeyError(f"no sharding rule for parameter {name!r}")
   keep = _KEEP[preset]
-  spec = tuple(e if e in keep else None for e in full)
+  spec = tuple(_masked(e, keep) for e in full)
   return fit_spec(spec, shape, mesh)
 
 
