@@ -34,6 +34,8 @@ TEST = ["pytest>=8", "pytest-xdist>=3.7", "hypothesis>=6.100", "nbclient>=0.10",
         "nbformat>=5.10", "ipykernel>=6.29"]
 # accelerate: transformers' own GGUF loader needs it (the GGUF parity tests' reference).
 HF = ["torch==2.13.0", "transformers>=4.50", "accelerate>=1.0", "peft>=0.13"]
+# benchmarks/vs_trl.py: TRL's GRPOTrainer side by side (never a core or test dependency).
+BENCH = HF + ["trl>=1.0", "datasets>=3.0"]
 
 setuptools.setup(
     name="gigrl",
@@ -45,7 +47,8 @@ setuptools.setup(
     package_data={"gigrl": ["data/files/**/*", "data/files/*"]},
     include_package_data=True,
     install_requires=CORE,
-    extras_require={"test": TEST + HF, "hf": HF, "tpu": ["jax[tpu]>=0.10,<0.11"]},
+    extras_require={"test": TEST + HF, "hf": HF, "bench": BENCH,
+                    "tpu": ["jax[tpu]>=0.10,<0.11"]},
     entry_points={
         "console_scripts": [
             "gigrl-train=gigrl.train:run",

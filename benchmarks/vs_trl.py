@@ -1,0 +1,212 @@
+"""gigrl against TRL's GRPOTrainer: GRPO steps of SmolLM2-135M-Instruct, same batch, one process.
+
+  pip install -e .[bench]                  # TRL and its torch (kept out of the core install)
+  python benchmarks/vs_trl.py --quick      # 2 prompts x 4 samples, 32 tokens (< 10 min, 2 cores)
+  python benchmarks/vs_trl.py --json docs/results/vs_trl_cpu/results.json
+
+Both sides run in this process, one after the other, on the same checkpoint (`gigrl-fetch
+smollm2-135m-instruct`; TRL loads the same directory with transformers), the same prompts (the
+countries task's first training questions, Search-R1 instruction, the checkpoint's chat
+template; every step trains on the same P prompts), group size G, completion budget, f32,
+learning rate, no KL term (TRL `beta=0`, gigrl `loss.use_kl_loss=False`), one update per step,
+and the same exact-match reward (a Python function of the same cost). TRL has no search tool
+loop, so the comparison is single-turn (gigrl `rollout.max_turns=0`); gigrl's multi-turn step
+(2 searches, the recipe's) is timed beside it.
+
+Per side it reports the median over the steps after the first (which compiles / warms up) of:
+generation time (gigrl `time/rollout_s`; TRL `_generate_and_score_completions`, which also
+scores the rewards), update time (gigrl `time/update_s`; TRL the rest of the step: the loss,
+backward and AdamW), the whole step, generated and trained tokens per second, and model FLOPs
+utilisation (generation 2·N·tokens/s, update 6·N·tokens/s, over this machine's measured f32
+GEMM peak). Trained tokens are every token of the update's rows, prompt included (gigrl
+`train/tokens_per_s`; TRL the prompt and completion masks). Then the ratios gigrl/TRL for each phase and the step ("speedup" = TRL time / gigrl
+time; above 1 means gigrl is faster). Completions stop at `<|im_end|>` on both sides (gigrl also
+at `</answer>`), so lengths differ a little: compare the tokens/s ratios too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from smollm2_steps import gemm_peak_flops  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def gigrl_config(a, max_turns: int):
+  import runpy  # pylint: disable=g-import-not-at-top
+  cfg = runpy.run_path(os.path.join(ROOT, "configs", "countries.py"))["get_config"](
+      "smollm2-135m")
+  cfg.model.hf_path = cfg.data.tokenizer = a.hf_path
+  cfg.train.sft_steps, cfg.train.num_steps = 0, a.steps
+  cfg.data.max_train_questions = a.prompts     # every step trains on the same P prompts
+  cfg.data.prompts_per_step, cfg.data.group_size = a.prompts, a.group
+  cfg.data.pool.rule, cfg.data.pool.oversample = "grpo", 1
+  cfg.rollout.max_turns, cfg.rollout.max_new_tokens = max_turns, a.tokens
+  cfg.train.learning_rate, cfg.train.micro_batch_size = a.lr, 0
+  cfg.train.eval_questions, cfg.train.eval_every = 0, 0
+  cfg.train.sample_every = 10_000
+  cfg.checkpoint.every_steps = 10_000
+  cfg.loss.use_kl_loss = False
+  return cfg
+
+
+def run_gigrl(a, max_turns: int):
+  """(per-step rows after the first, the trainer) of an in-process gigrl RL run."""
+  from gigrl import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+  with tempfile.TemporaryDirectory() as tmp:
+    t = trainer_lib.Trainer(gigrl_config(a, max_turns), tmp)
+    t.run()
+    with open(os.path.join(tmp, "metrics.jsonl")) as f:
+      rows = [json.loads(line) for line in f if line.strip()]
+  rows = [r for r in rows if r.get("phase") == "rl"][1:]
+  return [{"gen_s": r["time/rollout_s"], "update_s": r["time/update_s"],
+           "step_s": r["step_time_s"],
+           "gen_tokens": r["rollout/tokens_per_s"] * r["time/rollout_s"],
+           "train_tokens": r["train/tokens_per_s"] * r["time/update_s"],
+           "reward": r["reward_mean"]} for r in rows], t
+
+
+def run_trl(a, prompts: list[str], answers: list[list[str]]):
+  """Per-step rows after the first of TRL's GRPOTrainer on the same prompts."""
+  # pylint: disable=g-import-not-at-top
+  import datasets
+  import torch
+  import transformers
+  import trl
+  from gigrl import reward as reward_lib
+  # pylint: enable=g-import-not-at-top
+  torch.manual_seed(0)
+  rows = [{"prompt": p, "golden": g} for _ in range(a.steps) for p, g in zip(prompts, answers)]
+  data = datasets.Dataset.from_list(rows)
+
+  def em(completions, golden, **_):
+    return [reward_lib.em_reward([c], g) for c, g in zip(completions, golden)]
+
+  with tempfile.TemporaryDirectory() as tmp:
+    args = trl.GRPOConfig(
+        output_dir=tmp, per_device_train_batch_size=a.prompts * a.group,
+        num_generations=a.group, max_completion_length=a.tokens, learning_rate=a.lr,
+        beta=0.0, temperature=1.0, bf16=False, fp16=False, use_cpu=True,
+        max_steps=a.steps, logging_steps=1, report_to="none", save_strategy="no",
+        shuffle_dataset=False, seed=0, lr_scheduler_type="constant", warmup_steps=0,
+        loss_type="dapo", disable_tqdm=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(a.hf_path,
+                                                              dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(a.hf_path)
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=em, args=args, train_dataset=data,
+                              processing_class=tok)
+    gen, steps = [], []
+    inner = trainer._generate_and_score_completions   # pylint: disable=protected-access
+
+    def timed(*args_, **kw):
+      t0 = time.perf_counter()
+      out = inner(*args_, **kw)
+      gen.append((time.perf_counter() - t0, int(out["completion_mask"].sum()),
+                  int(out["prompt_mask"].sum()) + int(out["completion_mask"].sum())))
+      return out
+
+    trainer._generate_and_score_completions = timed   # pylint: disable=protected-access
+
+    class StepTimer(transformers.TrainerCallback):
+      def on_step_begin(self, *_, **__):
+        self.t0 = time.perf_counter()
+
+      def on_step_end(self, *_, **__):
+        steps.append(time.perf_counter() - self.t0)
+
+    trainer.add_callback(StepTimer())
+    trainer.train()
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+  out = []
+  for i, (step_s, (gen_s, n_gen, n_rows)) in enumerate(zip(steps, gen)):
+    out.append({"gen_s": gen_s, "update_s": step_s - gen_s, "step_s": step_s,
+                "gen_tokens": n_gen, "train_tokens": n_rows,
+                "reward": rewards[i] if i < len(rewards) else float("nan")})
+  return out[1:]
+
+
+def summarize(rows: list[dict], n_params: int, peak: float) -> dict:
+  med = lambda k: statistics.median(r[k] for r in rows)
+  s = {k: med(k) for k in ("gen_s", "update_s", "step_s", "gen_tokens", "train_tokens")}
+  s["gen_tokens_per_s"] = s["gen_tokens"] / s["gen_s"]
+  s["train_tokens_per_s"] = s["train_tokens"] / s["update_s"]
+  s["gen_mfu"] = 2 * n_params * s["gen_tokens_per_s"] / peak
+  s["update_mfu"] = 6 * n_params * s["train_tokens_per_s"] / peak
+  s["steps"] = len(rows)
+  return s
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--hf_path", default="")
+  p.add_argument("--prompts", type=int, default=8)
+  p.add_argument("--group", type=int, default=4)
+  p.add_argument("--tokens", type=int, default=48)
+  p.add_argument("--steps", type=int, default=5, help="steps per side (the first is dropped)")
+  p.add_argument("--lr", type=float, default=1e-6)
+  p.add_argument("--no_multi_turn", action="store_true")
+  p.add_argument("--quick", action="store_true", help="2 prompts x 4, 32 tokens, 3 steps")
+  p.add_argument("--json", default="", help="write the results here")
+  a = p.parse_args(argv)
+  if a.quick:
+    a.prompts, a.group, a.tokens, a.steps = 2, 4, 32, 3
+  # pylint: disable=g-import-not-at-top
+  import torch
+  import trl
+  from gigrl.models import fetch
+  from gigrl.models.config import config_from_hf
+  from gigrl.rollout import protocol
+  # pylint: enable=g-import-not-at-top
+  a.hf_path = a.hf_path or fetch.default_dir("smollm2-135m-instruct")
+  fetch.check_hf_path(a.hf_path, "--hf_path")
+  n_params = config_from_hf(a.hf_path).num_params
+  peak = gemm_peak_flops()
+  print(f"machine: {os.cpu_count()} cores; jax {jax.__version__} ({jax.default_backend()}), "
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads), trl {trl.__version__}; "
+        f"f32 GEMM peak {peak / 1e9:.0f} GFLOP/s (XLA); N = {n_params / 1e6:.1f}M", flush=True)
+  print(f"batch: {a.prompts} prompts x {a.group} samples, <= {a.tokens} completion tokens, f32, "
+        f"lr {a.lr:g}, {a.steps} steps per side (first dropped)", flush=True)
+  g_rows, t = run_gigrl(a, max_turns=0)
+  prompts = [t.tokenizer.apply_chat_template(protocol.make_prompt(q.question))
+             for q in t.rl_questions]
+  answers = [list(q.golden_answers) for q in t.rl_questions]
+  trl_rows = run_trl(a, prompts, answers)
+  res = {"gigrl": summarize(g_rows, n_params, peak), "trl": summarize(trl_rows, n_params, peak)}
+  if not a.no_multi_turn:
+    res["gigrl_multi_turn"] = summarize(run_gigrl(a, max_turns=2)[0], n_params, peak)
+  g, r = res["gigrl"], res["trl"]
+  print(f"\n{'':24s} {'gigrl':>10s} {'TRL':>10s} {'gigrl/TRL':>10s} {'speedup':>8s}"
+        + ("   gigrl multi-turn" if "gigrl_multi_turn" in res else ""))
+  for key, label in (("gen_s", "generation s"), ("update_s", "update s"), ("step_s", "step s"),
+                     ("gen_tokens", "generated tokens"), ("gen_tokens_per_s", "generated tok/s"),
+                     ("train_tokens_per_s", "trained tok/s"), ("gen_mfu", "generation MFU"),
+                     ("update_mfu", "update MFU")):
+    extra = f"   {res['gigrl_multi_turn'][key]:10.3f}" if "gigrl_multi_turn" in res else ""
+    speed = f"{r[key] / g[key]:8.2f}" if key.endswith("_s") and g[key] else " " * 8
+    print(f"{label:24s} {g[key]:10.3f} {r[key]:10.3f} {g[key] / r[key]:10.3f} {speed}{extra}")
+  res["speedup"] = {k: r[k] / g[k] for k in ("gen_s", "update_s", "step_s")}
+  print(f"\ngigrl/TRL step-time ratio {g['step_s'] / r['step_s']:.3f} (speedup "
+        f"{res['speedup']['step_s']:.2f}x; generation {res['speedup']['gen_s']:.2f}x, update "
+        f"{res['speedup']['update_s']:.2f}x)")
+  if a.json:
+    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+    res.update(device=f"CPU, {os.cpu_count()} cores", gigrl_over_trl_speedup=res["speedup"][
+        "step_s"], command="python benchmarks/vs_trl.py " + " ".join(argv or sys.argv[1:]),
+               settings=vars(a), peak_flops=peak, n_params=n_params)
+    with open(a.json, "w") as f:
+      json.dump(res, f, indent=1)
+    print(f"wrote {a.json}")
+
+
+if __name__ == "__main__":
+  main()
