@@ -174,7 +174,7 @@ def test_backend_and_attention_resolved_when_built():
   acc = Transformer(cfg.replace(backend="accelerator"), rngs=nnx.Rngs(0))
   assert acc.cfg.backend == "accelerator" and not acc.loop_layers()
   assert cfg.resolve("tpu").attention == "splash"
-  assert cfg.resolve("gpu") == cfg.replace(backend="accelerator", attention="xla")
+  assert cfg.resolve("gpu") == cfg.replace(backend="accelerator", attention="dot_product")
   with pytest.raises(ValueError, match="backend"):
     cfg.replace(backend="tpu")
   c = default_config()

@@ -6,6 +6,9 @@ inside a function, so tests run every path on CPU:
   training (cache-free, causal)     attention="xla":    `attend` (dense mask) or
                                                         `attend_causal` (block-causal)
                                     attention="splash": `splash_causal` (Pallas TPU kernel)
+                                    attention="dot_product": `dot_product_causal`
+                                                        (jax.nn.dot_product_attention: cuDNN
+                                                        on a GPU where it applies)
   KV-cache extend (prefill, decode, backend="cpu":      `attend`, or `attend_one` for
   observation insertion)                                one query row (decode)
                                     backend="accelerator": `attend_cache_blocks` (reads
@@ -289,3 +292,27 @@ def splash_causal(q: jax.Array, k: jax.Array, v: jax.Array,
                          check_vma=False)(q, k, v)
   return jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec, P(row, None)),
                        out_specs=spec, check_vma=False)(q, k, v, segment_ids)
+
+
+def dot_product_causal(q: jax.Array, k: jax.Array, v: jax.Array,
+                       segment_ids: jax.Array | None = None,
+                       implementation: str | None = None) -> jax.Array:
+  """Causal grouped-query attention through ``jax.nn.dot_product_attention``.
+
+  With ``implementation=None`` JAX picks cuDNN's fused (flash) attention on a GPU when the
+  shapes and dtypes allow it (bf16/f16, head dim a multiple of 8, ...) and its XLA path
+  otherwise (always on CPU); ``"cudnn"`` insists on cuDNN, ``"xla"`` on XLA.
+
+  Args:
+    q: [B, S, H, Dh]; k, v: [B, S, KV, Dh] (H a multiple of KV).
+    segment_ids: optional i32[B, S]; tokens attend only within their segment (padding = 0)
+      as :func:`causal_mask` defines it, passed as an explicit mask.
+  Returns:
+    [B, S, H, Dh] in q's dtype.
+  """
+  if segment_ids is None:
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                        implementation=implementation)
+  b, s = segment_ids.shape
+  mask = causal_mask(segment_ids, b, s)[:, None]               # [B, 1, S, S]
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)

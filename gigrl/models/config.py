@@ -28,8 +28,10 @@ REMAT = ("none", "full", "dots")
 # a TPU runs). "auto" is resolved from `jax.default_backend()` when the model is built.
 BACKENDS = ("auto", "cpu", "accelerator")
 # Training (cache-free causal) attention: "xla" = dense / block-causal XLA attention,
-# "splash" = the Pallas TPU splash-attention kernel. "auto": splash on TPU, else xla.
-ATTENTION = ("auto", "xla", "splash")
+# "splash" = the Pallas TPU splash-attention kernel, "dot_product" =
+# `jax.nn.dot_product_attention` (cuDNN's fused attention on a GPU where it applies, else its
+# XLA path). "auto": splash on TPU, dot_product on GPU, else xla.
+ATTENTION = ("auto", "xla", "splash", "dot_product")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,14 +118,14 @@ class ModelConfig:
     Args:
       platform: a JAX platform name ("cpu", "tpu", "gpu"); default
         `jax.default_backend()`. `backend="auto"` -> "cpu" on cpu, else "accelerator";
-        `attention="auto"` -> "splash" on tpu, else "xla".
+        `attention="auto"` -> "splash" on tpu, "dot_product" on gpu, else "xla".
     """
     platform = platform or jax.default_backend()
     kw = {}
     if self.backend == "auto":
       kw["backend"] = "cpu" if platform == "cpu" else "accelerator"
     if self.attention == "auto":
-      kw["attention"] = "splash" if platform == "tpu" else "xla"
+      kw["attention"] = {"tpu": "splash", "gpu": "dot_product"}.get(platform, "xla")
     return dataclasses.replace(self, **kw) if kw else self
 
 
@@ -184,7 +186,8 @@ def default_config() -> mlc.ConfigDict:
   c.remat = "none"            # none | full (rematerialise each block in backward) |
                               # dots (keep the weight-matmul outputs, recompute the rest)
   c.backend = "auto"          # auto | cpu | accelerator (which model code paths run)
-  c.attention = "auto"        # auto | xla | splash (training attention; auto = splash on TPU)
+  c.attention = "auto"        # auto | xla | splash | dot_product (training attention; auto =
+                              # splash on TPU, dot_product (cuDNN) on GPU, xla on CPU)
   c.logprob_chunk_size = 512  # sequence chunk for token_logprobs
   c.extend_chunk = 0          # chunked prefill: KV-cache extends (prompts, observations) in
                               # passes of this many tokens, a fraction of the activations; 0 = one

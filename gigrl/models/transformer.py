@@ -374,6 +374,8 @@ class Transformer(nnx.Module):
   def _train_attention(self, b: int, s: int, mask, segment_ids) -> Callable:
     """The cache-free attention fn (q, k, v) -> o chosen by cfg.attention."""
     cfg = self.cfg
+    if cfg.attention == "dot_product" and mask is None:
+      return functools.partial(attn.dot_product_causal, segment_ids=segment_ids)
     if cfg.attention == "splash" and mask is None:
       return functools.partial(attn.splash_causal, segment_ids=segment_ids,
                                interpret=cfg.kernel_interpret)
