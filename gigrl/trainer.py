@@ -656,18 +656,32 @@ class Trainer:
          f"(F1 {metrics['eval/f1']:.3f}, {metrics['eval/search_calls_mean']:.2f} searches)")
 
   def _final_eval(self, step: int) -> None:
-    """Greedy rollouts on held-out questions; writes eval.json and a sample file, and prints
-    held-out EM at the start of RL and now when periodic evaluation ran."""
+    """Greedy rollouts on held-out questions (or, when ``train.eval_every`` evaluated this step
+    already, that evaluation); writes eval.json and a sample file, and prints held-out EM at
+    the start of RL and now when periodic evaluation ran."""
     if not self._eval_questions():
       return
-    _, qs, results, metrics, batch = self._evaluate(step)
+    rows = (metrics_lib.read_metrics(self.out.metrics_path)
+            if self.out.enabled and self.out.metrics_path.exists() else [])
+    if self._eval_due(step):
+      # The periodic evaluation of this step ran before its checkpoint (same params, greedy):
+      # reuse it rather than roll out every held-out question again. Every process decides
+      # alike (from the config), so none waits in a rollout the others skip.
+      same = [r for r in rows if r.get("phase") == "eval" and r["step"] == step]
+      metrics = {k: v for k, v in same[-1].items() if k.startswith("eval/")} if same else {}
+      periodic = self.workdir / "samples" / f"eval_{step:06d}.txt"
+      if self.out.enabled and periodic.exists():
+        (self.workdir / "samples" / "eval_samples.txt").write_text(periodic.read_text())
+    else:
+      _, qs, results, metrics, batch = self._evaluate(step)
+      self._write_samples("eval_samples.txt", step, batch, qs, [r.em for r in results], n=8,
+                          g=1)
+    if not metrics:                  # not the main process (it alone reads metrics.jsonl)
+      return
     self.out.write_json("eval.json", {"step": step, **metrics})
-    self._write_samples("eval_samples.txt", step, batch, qs, [r.em for r in results], n=8,
-                        g=1)
-    _log(f"eval on {len(qs)} held-out questions: EM {metrics['eval/em']:.3f}"
+    _log(f"eval on {int(metrics['eval/n'])} held-out questions: EM {metrics['eval/em']:.3f}"
          f"{evaluate_lib.by_hop(metrics)}")
-    start = [r for r in (metrics_lib.read_metrics(self.out.metrics_path)
-                         if self.out.enabled and self.out.metrics_path.exists() else [])
+    start = [r for r in rows
              if r.get("phase") == "eval" and r["step"] == self.cfg.train.sft_steps]
     if start and step > self.cfg.train.sft_steps:
       _log(f"held-out EM: {start[-1]['eval/em']:.3f}{evaluate_lib.by_hop(start[-1])} at the "

@@ -4,7 +4,7 @@
 # and the control (the same number of further SFT updates from the same start).
 #
 #   bash docs/results/countries_smollm2/run.sh            # from the repository root, venv active
-#   RUNS=/big/disk SEEDS=0,1,2 STEPS=40 bash docs/results/countries_smollm2/run.sh
+#   RUNS=/big/disk SEEDS=0,1,2 STEPS=20 bash docs/results/countries_smollm2/run.sh
 #
 # Resumable: rerun the same command. Finished stages are skipped (their output files exist);
 # a killed gigrl-train resumes from its latest checkpoint (every 5 RL steps). Each stage's
@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 RUNS=${RUNS:-runs/countries_smollm2}
 SEEDS=${SEEDS:-0,1,2}
-STEPS=${STEPS:-40}            # RL steps per seed = further SFT steps of the control
+STEPS=${STEPS:-20}            # RL steps per seed = further SFT steps of the control
 SFT=30                        # the recipe's train.sft_steps
 CFG=configs/countries.py:smollm2-135m
 OUT=docs/results/countries_smollm2
