@@ -56,8 +56,14 @@ fi
 if [[ ! -f $RUNS/control/eval.json ]]; then
   mkdir -p "$RUNS/control"
   [[ -d $RUNS/control/checkpoints ]] || cp -r "$RUNS/sft/checkpoints" "$RUNS/control/"
+  # the query pool's settings as the warm-start's checkpoint holds them (its state must fit;
+  # SFT never samples from it)
+  pool=$(python -c 'import json, sys
+c = json.load(open(sys.argv[1]))["config"]["data"]["pool"]
+print("--config.data.pool.rule=%s --config.data.pool.oversample=%s" % (c["rule"], c["oversample"]))' \
+      "$RUNS/sft/checkpoints/$SFT/meta/metadata")
   gigrl-train --config $CFG --workdir "$RUNS/control" --config.train.sft_steps=$((SFT + STEPS)) \
-      --config.train.num_steps=0 --config.train.eval_every=0 --config.train.sft_eval_every=10
+      --config.train.num_steps=0 --config.train.eval_every=0 --config.train.sft_eval_every=10 $pool
 fi
 
 python $OUT/collect.py --runs "$RUNS" --out $OUT --sft_steps $SFT --num_steps "$STEPS" \
