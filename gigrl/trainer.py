@@ -217,6 +217,19 @@ def eval_due(train: Any, step: int) -> bool:
   return sft_due or rl_due
 
 
+# Config fields a held-out evaluation depends on (whole sections minus the keys in
+# EVAL_IGNORED, which only RL sampling, the SFT data or LoRA's zero-initialised adapters read).
+EVAL_FIELDS = ("data", "rollout", "search", "model", "train.eval_questions",
+               "train.eval_batch_size")
+EVAL_IGNORED = ("pool", "prompts_per_step", "group_size", "lora", "max_train_questions")
+
+
+def _dotted(tree: dict[str, Any], field: str) -> Any:
+  for part in field.split("."):
+    tree = tree.get(part) if isinstance(tree, dict) else None
+  return tree
+
+
 class Trainer:
   """One run: builds everything from the config, then :meth:`run` loops over the steps."""
 
@@ -403,6 +416,7 @@ class Trainer:
         demos = self._demonstrations() if start < sft_steps else None
         if (start == 0 or self._initialized_from) and self._eval_due(start):
           self._periodic_eval(start)      # the initial policy: no SFT, or train.init_from's
+          # (train.init_from's own evaluation of the same params is reused when it fits)
         for step in range(start + 1, total + 1):
           if step <= sft_steps:
             record = self._sft_step(step, demos)
@@ -646,8 +660,41 @@ class Trainer:
                                            time.perf_counter() - t0}, batch)
     return self._last_eval
 
+  def _source_eval(self, step: int) -> dict[str, Any] | None:
+    """``train.init_from``'s own held-out evaluation of the params this run starts from, when
+    every config field the evaluation depends on (``EVAL_FIELDS``) is the same: greedy
+    rollouts of the same params on the same questions give the same metrics (the eval key is
+    fixed, the run's seed plays no part). Read from that run's ``metrics.jsonl`` eval line or
+    ``eval.json`` at ``step``; None when there is none or a field differs."""
+    source = self._init_source()
+    if not source or not self._initialized_from or self._lora_base:
+      return None
+    meta = ckpt_lib.restore_meta(*source)
+    theirs, mine = meta.get("config") or {}, self._config_json()
+    for field in EVAL_FIELDS:
+      a, b = _dotted(theirs, field), _dotted(mine, field)
+      if isinstance(a, dict) and isinstance(b, dict):
+        a, b = ({k: v for k, v in d.items() if k not in EVAL_IGNORED} for d in (a, b))
+      if a != b:
+        return None
+    workdir = epath.Path(source[0])
+    rows = (metrics_lib.read_metrics(workdir / "metrics.jsonl")
+            if (workdir / "metrics.jsonl").exists() else [])
+    found = [r for r in rows if r.get("phase") == "eval" and r["step"] == step]
+    if not found and (workdir / "eval.json").exists():
+      found = [json.loads((workdir / "eval.json").read_text())]
+    found = [r for r in found if r.get("step") == step]
+    return {k: v for k, v in found[-1].items() if k.startswith("eval/")} if found else None
+
   def _periodic_eval(self, step: int) -> None:
     """One ``phase: "eval"`` line in metrics.jsonl (``step`` = updates done)."""
+    reused = self._source_eval(step) if step == self.cfg.train.sft_steps else None
+    if reused is not None:
+      self.out.write_metrics({"step": step, "phase": "eval", **reused})
+      _log(f"step {step}: held-out EM {reused['eval/em']:.3f}{evaluate_lib.by_hop(reused)} "
+           f"(the evaluation of train.init_from {self.cfg.train.init_from}: same params, "
+           "questions and rollout settings)")
+      return
     _, qs, results, metrics, batch = self._evaluate(step)
     self.out.write_metrics({"step": step, "phase": "eval", **metrics})
     self._write_samples(f"eval_{step:06d}.txt", step, batch, qs, [r.em for r in results],

@@ -160,12 +160,13 @@ TINY = ["--config.train.sft_steps=2", "--config.train.num_steps=3",
         "--config.checkpoint.keep=3", "--config.data.pool.rule=grpo"]
 
 
-def _train(workdir):
+def _train(workdir, *extra):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   proc = subprocess.run([sys.executable, "-m", "gigrl.train", "--config",
                          os.path.join(ROOT, "configs/smoke.py"), "--workdir", str(workdir),
-                         *TINY], capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+                         *TINY, *extra], capture_output=True, text=True, timeout=900,
+                        cwd=ROOT, env=env)
   assert proc.returncode == 0, proc.stderr[-4000:]
   return proc.stderr
 
@@ -314,3 +315,20 @@ def test_gigrl_eval_bad_input_exits_2_as_a_subprocess(tmp_path):
   err = proc.stderr.strip().splitlines()
   assert err[-1].startswith("gigrl-eval: error: ") and want in err[-1], err[-3:]
   assert "Traceback" not in proc.stderr and "nq_open" in err[-1]
+
+
+@pytest.mark.slow
+def test_rl_from_init_from_reuses_its_start_evaluation(tmp_path):
+  """An RL run started with train.init_from writes the source run's evaluation of the same
+  params as its start-of-RL eval line (no second rollout pass), and evaluates itself when a
+  field the evaluation depends on differs."""
+  sft, rl, other = tmp_path / "sft", tmp_path / "rl", tmp_path / "other"
+  _train(sft, "--config.train.num_steps=0")
+  start = [r for r in _lines(sft) if r["phase"] == "eval" and r["step"] == 2]
+  err = _train(rl, f"--config.train.init_from={sft}", "--config.seed=1",
+               "--config.data.pool.rule=recycle")
+  rows = _lines(rl)
+  assert rows[0] == start[0] and rows[0]["phase"] == "eval"
+  assert "step 2: evaluating" not in err and "the evaluation of train.init_from" in err
+  err = _train(other, f"--config.train.init_from={sft}", "--config.rollout.max_turns=1")
+  assert "step 2: evaluating" in err
