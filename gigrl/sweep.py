@@ -38,7 +38,9 @@ run's ``phase: "eval"`` lines in ``metrics.jsonl`` (``train.eval_every``, set wi
 * mean ``zero_variance_frac`` over RL steps and seeds; wall time per run (all attempts).
 
 The plot draws each setting's mean eval EM against RL steps with its 95% band, and beside it
-the mean change from each run's start of RL (the paired view).
+the mean change from each run's start of RL (the paired view). When the eval lines carry EM by
+hop count (``eval/em/hops=N``, e.g. the countries task), the report adds a table of start, final
+and paired change per setting and hop, and the plot one panel per hop.
 A run that fails is reported (with its log) and makes the exit status 1.
 """
 from __future__ import annotations
@@ -127,7 +129,9 @@ def run_summary(run_dir: str) -> dict[str, Any]:
   """A run's eval curve and statistics from its ``metrics.jsonl``.
 
   Returns:
-    ``curve`` [(RL step, eval EM)], ``start_em``, ``final_em``, ``auc`` (mean height of the
+    ``curve`` [(RL step, eval EM)], ``curve_by_hop`` {hops: [(RL step, eval EM of the
+    questions with that many hops)]} (empty when the questions carry no hop count),
+    ``start_em``, ``final_em``, ``auc`` (mean height of the
     curve over its RL steps; the single value if there is one point), ``zero_variance_frac``
     (mean over RL steps), ``wall_s`` (all attempts), ``sft_steps``.
   """
@@ -139,6 +143,12 @@ def run_summary(run_dir: str) -> dict[str, Any]:
   curve = sorted({r["step"] - sft: r["eval/em"] for r in rows
                   if r.get("phase") == "eval" and isinstance(r.get("eval/em"), (int, float))
                   and r["step"] >= sft}.items())     # not train.sft_eval_every's SFT lines
+  hops = {}     # held-out EM by hop count, when the questions carry it (evaluate.by_hop)
+  for key in sorted({k for r in rows if r.get("phase") == "eval" for k in r
+                     if k.startswith("eval/em/hops=")}):
+    hops[key.rpartition("=")[2]] = sorted({
+        r["step"] - sft: r[key] for r in rows if r.get("phase") == "eval"
+        and isinstance(r.get(key), (int, float)) and r["step"] >= sft}.items())
   zv = [r["zero_variance_frac"] for r in rows if r.get("phase") == "rl"
         and isinstance(r.get("zero_variance_frac"), (int, float))]
   if len(curve) > 1:
@@ -148,7 +158,7 @@ def run_summary(run_dir: str) -> dict[str, Any]:
     auc = curve[0][1] if curve else float("nan")
   wall = json.load(open(os.path.join(run_dir, WALL))) if os.path.exists(
       os.path.join(run_dir, WALL)) else {"wall_s": float("nan")}
-  return {"curve": curve, "sft_steps": sft,
+  return {"curve": curve, "curve_by_hop": hops, "sft_steps": sft,
           "start_em": curve[0][1] if curve else float("nan"),
           "final_em": curve[-1][1] if curve else float("nan"), "auc": auc,
           "zero_variance_frac": sum(zv) / len(zv) if zv else float("nan"),
@@ -183,6 +193,19 @@ def _launch(cmd: list[str], run_dir: str, log) -> int:
 
 
 # ------------------------------------------------------------------------------ report
+def _by_hop(runs) -> dict[str, Any]:
+  """{hops: start / final EM and the paired change, mean ± 95% CI over the runs}."""
+  out = {}
+  for hop in sorted({h for r in runs for h in r.get("curve_by_hop", {})}):
+    curves = [r["curve_by_hop"][hop] for r in runs if r.get("curve_by_hop", {}).get(hop)]
+    finals, starts = [c[-1][1] for c in curves], [c[0][1] for c in curves]
+    m, ci = mean_ci(finals)
+    dm, dci = mean_ci([f - s0 for f, s0 in zip(finals, starts)])
+    out[hop] = {"n": len(curves), "start_em_mean": mean_ci(starts)[0], "final_em_mean": m,
+                "final_em_ci95": ci, "delta_em_mean": dm, "delta_em_ci95": dci}
+  return out
+
+
 def summarize(workdir: str, settings: Sequence[str], seeds: Sequence[int],
               threshold: float) -> dict[str, Any]:
   """Per setting: the per-seed summaries (finished runs only) and the statistics."""
@@ -210,6 +233,7 @@ def summarize(workdir: str, settings: Sequence[str], seeds: Sequence[int],
         "zero_variance_frac_mean": mean_ci([r["zero_variance_frac"] for r in runs.values()
                                             if not math.isnan(r["zero_variance_frac"])])[0],
         "wall_s_mean": mean_ci([r["wall_s"] for r in runs.values()])[0],
+        "by_hop": _by_hop(runs.values()),
         "runs": {str(s): r for s, r in runs.items()}}
   return out
 
@@ -233,6 +257,15 @@ def markdown(summary: dict[str, Any], threshold: float, n_seeds: int) -> str:
         f"{_f(s['delta_em_mean'], '+.3f')} ± {_f(s['delta_em_ci95'])}" if s["seeds"] else "-",
         _f(s["auc_mean"]), steps, _f(s["zero_variance_frac_mean"]),
         _f(s["wall_s_mean"] / 60, ".1f")]) + " |")
+  hop_rows = [(name, hop, h) for name, s in summary.items()
+              for hop, h in s.get("by_hop", {}).items()]
+  if hop_rows:
+    lines += ["", "| setting | hops | seeds | final EM (mean ± 95% CI) | start EM | "
+              "final − start EM (mean ± 95% CI) |", "|---|---|---|---|---|---|"]
+    lines += [f"| {name} | {hop} | {h['n']} | {_f(h['final_em_mean'])} ± "
+              f"{_f(h['final_em_ci95'])} | {_f(h['start_em_mean'])} | "
+              f"{_f(h['delta_em_mean'], '+.3f')} ± {_f(h['delta_em_ci95'])} |"
+              for name, hop, h in hop_rows]
   return "\n".join(lines) + "\n"
 
 
@@ -242,15 +275,22 @@ def plot(summary: dict[str, Any], path: str) -> str | None:
   which seed-to-seed differences in the warm-start do not widen)."""
   # A bare Figure (no pyplot): never switches the caller's matplotlib backend.
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
-  fig = Figure(figsize=(11, 4))
-  ax_em, ax_delta = fig.subplots(1, 2)
+  hops = sorted({h for s in summary.values() for r in s["runs"].values()
+                 for h in r.get("curve_by_hop", {})})
+  fig = Figure(figsize=(11, 8 if hops else 4))
+  axes = fig.subplots(2 if hops else 1, 2).reshape(-1)
+  ax_em, ax_delta = axes[0], axes[1]
+  panels = [(ax_em, "curve", None, False), (ax_delta, "curve", None, True)]
+  panels += [(ax, "curve_by_hop", hop, False) for ax, hop in zip(axes[2:], hops)]
   drawn = False
   for name, s in summary.items():
-    curves = [dict(r["curve"]) for r in s["runs"].values() if r["curve"]]
-    if not curves:
-      continue
-    xs = sorted(set.intersection(*(set(c) for c in curves)))
-    for ax, shift in ((ax_em, False), (ax_delta, True)):
+    for ax, key, hop, shift in panels:
+      curves = [dict(r[key] if hop is None else r[key].get(hop, []))
+                for r in s["runs"].values()]
+      curves = [c for c in curves if c]
+      if not curves:
+        continue
+      xs = sorted(set.intersection(*(set(c) for c in curves)))
       stats = [mean_ci([c[x] - (c[xs[0]] if shift else 0.0) for c in curves]) for x in xs]
       mean = [m for m, _ in stats]
       half = [0.0 if math.isnan(h) else h for _, h in stats]
@@ -258,9 +298,16 @@ def plot(summary: dict[str, Any], path: str) -> str | None:
       ax.fill_between(xs, [m - h for m, h in zip(mean, half)],
                       [m + h for m, h in zip(mean, half)], color=line.get_color(), alpha=0.15,
                       lw=0)
-    drawn = True
+      drawn = True
   if not drawn:
     return None
+  for ax in axes[2 + len(hops):]:
+    ax.set_visible(False)
+  for ax, hop in zip(axes[2:], hops):
+    ax.set_xlabel("RL step")
+    ax.set_ylabel(f"held-out EM, {hop}-hop questions")
+    ax.set_title(f"{hop}-hop questions: mean over seeds, 95% CI band", fontsize=10)
+    ax.grid(alpha=0.3)
   for ax, label, title in (
       (ax_em, "held-out EM (greedy)", "held-out EM: mean over seeds, 95% CI band"),
       (ax_delta, "held-out EM − its start-of-RL value",

@@ -123,3 +123,28 @@ def test_tiny_grid_with_warm_start_runs_reports_and_resumes(tmp_path, monkeypatc
   strip = lambda t: [{k: v for k, v in json.loads(l).items() if not k.endswith("_s")}
                      for l in t.splitlines()]
   assert strip(open(os.path.join(run, "metrics.jsonl")).read()) == strip(metrics_before)
+
+
+def test_held_out_em_by_hop_is_summarized_and_plotted(tmp_path):
+  """Eval lines with ``eval/em/hops=N`` (questions that carry a hop count): per setting and hop
+  the start, final and paired change over seeds, a table below the main one, and one panel
+  per hop."""
+  def run(d, em1, em2):
+    _fake_run(d, 3, [(0, 0.5), (4, 0.6)], [0.5], 10)
+    rows = [json.loads(l) for l in open(d / "metrics.jsonl")]
+    for r in rows:
+      if r["phase"] == "eval":
+        i = 0 if r["step"] == 3 else 1
+        r["eval/em/hops=1"], r["eval/em/hops=2"] = em1[i], em2[i]
+    with open(d / "metrics.jsonl", "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
+  run(tmp_path / "a" / "seed_0", (0.7, 0.8), (0.3, 0.7))
+  run(tmp_path / "a" / "seed_1", (0.7, 0.7), (0.3, 0.5))
+  s = sweep.summarize(str(tmp_path), ["a"], [0, 1], threshold=0.3)
+  two = s["a"]["by_hop"]["2"]
+  assert two["n"] == 2 and two["start_em_mean"] == pytest.approx(0.3)
+  assert two["final_em_mean"] == pytest.approx(0.6) and two["delta_em_mean"] == pytest.approx(0.3)
+  assert s["a"]["by_hop"]["1"]["delta_em_mean"] == pytest.approx(0.05)
+  table = sweep.markdown(s, 0.3, 2)
+  assert "| a | 2 | 2 | 0.600 ± 1.271 | 0.300 | +0.300 ± 1.271 |" in table
+  assert sweep.plot(s, str(tmp_path / "p.png"))
