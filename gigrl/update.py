@@ -131,7 +131,8 @@ def compact_positions(mask: jax.Array, max_tokens: int) -> jax.Array:
 
 
 def masked_logprobs(params, graphdef, tokens: jax.Array, loss_mask: jax.Array, *,
-                    max_tokens: int, chunk_size: int, temperature: float = 1.0):
+                    max_tokens: int, chunk_size: int, temperature: float = 1.0,
+                    train: bool = False):
   """Log-probs and entropy of the loss-masked target tokens only.
 
   Args:
@@ -140,13 +141,18 @@ def masked_logprobs(params, graphdef, tokens: jax.Array, loss_mask: jax.Array, *
     temperature: static; the logits are divided by it first, so the log-probs are those of
       the distribution the rollout sampled from (verl divides the actor's and the reference's
       logits by ``rollout.temperature``). 1.0 = the raw model (SFT, evaluation).
+    train: the forward of a loss being differentiated: LoRA adapters apply their dropout
+      (``model.lora.dropout``, key :func:`gigrl.models.lora.dropout_key` of the batch); the
+      reference and old log-probs never do.
   Returns:
     (logprobs f32[B, K], entropy f32[B, K], mask f32[B, K], positions i32[B, K]) where
     position k of row b scores ``tokens[b, positions[b, k] + 1]``.
   """
   inputs, targets, mask = _shifted(tokens, loss_mask)
   model = nnx.merge(graphdef, params)
-  hidden = model.hidden(inputs)
+  key = lora_lib.dropout_key(inputs) if train and getattr(
+      model.layers, "lora_dropout", 0.0) > 0 else None
+  hidden = model.hidden(inputs, lora_dropout_key=key)
   pos = compact_positions(mask, max_tokens)
   h = jnp.take_along_axis(hidden, pos[..., None], axis=1)
   t = jnp.take_along_axis(targets, pos, axis=1)
@@ -166,7 +172,7 @@ def sft_loss(params, graphdef, tokens: jax.Array, loss_mask: jax.Array, *,
     (loss f32[], metrics dict).
   """
   logp, _, mask, _ = masked_logprobs(params, graphdef, tokens, loss_mask,
-                                     max_tokens=max_tokens, chunk_size=chunk_size)
+                                     max_tokens=max_tokens, chunk_size=chunk_size, train=True)
   n = jnp.maximum(mask.sum(), 1.0)
   nll = -(logp * mask).sum() / n
   acc = ((logp > jnp.log(0.5)) * mask).sum() / n
@@ -209,7 +215,8 @@ def rl_loss(params, graphdef, ref_params, tokens: jax.Array, loss_mask: jax.Arra
     pg_clipfrac_lower).
   """
   kw = dict(max_tokens=max_tokens, chunk_size=chunk_size, temperature=temperature)
-  logp, entropy, mask, pos = masked_logprobs(params, graphdef, tokens, loss_mask, **kw)
+  logp, entropy, mask, pos = masked_logprobs(params, graphdef, tokens, loss_mask, train=True,
+                                             **kw)
   if loss_options["use_kl_loss"]:
     if ref_params is None:    # LoRA: the reference is the base, i.e. the adapters off
       ref_params = lora_lib.adapters_off(params)

@@ -142,7 +142,8 @@ def test_adapters_follow_their_base_matrix_sharding():
     ("alpha", 0.0, "> 0"),
     ("targets", "q_proj,nosuch", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"),
     ("targets", "", "a comma-separated subset"),
-    ("dropout", 0.1, "<= 0.0"),
+    ("dropout", 1.0, "< 1.0"),
+    ("dropout", -0.1, ">= 0.0"),
 ])
 def test_bad_lora_settings_name_the_field(field, value, message):
   cfg = _cfg()
@@ -293,3 +294,30 @@ def test_lora_rl_on_a_full_fine_tuning_warm_start(tmp_path):
   assert _metrics(part) == want
   meta = json.load(open(part / "checkpoints" / "7" / "meta" / "metadata"))
   assert meta["lora_base"] == f"train.init_from {sft}@3"
+
+
+def test_adapter_dropout_in_training_forwards_only():
+  """model.lora.dropout: the SFT loss sees dropped adapter inputs (the loss changes with the
+  rate once B != 0), deterministically per batch; the log-probs a rollout or the old / reference
+  pass uses do not drop; rate 0 is exactly the no-dropout forward."""
+  tokens, mask, _ = _batch()
+  losses = {}
+  for rate in (0.0, 0.5):
+    cfg = _cfg(dropout=rate)
+    policy = build.build_policy(cfg, 64)
+    params = policy.params
+    params["layers"]["wq_lora_b"].value = jnp.full_like(params["layers"]["wq_lora_b"][...], 0.3)
+    params["layers"]["w_up_lora_b"].value = jnp.full_like(params["layers"]["w_up_lora_b"][...],
+                                                          0.3)
+    g = policy.graphdef
+    loss = lambda: float(update_lib.sft_loss(params, g, tokens, mask, max_tokens=8,
+                                             chunk_size=512)[0])
+    losses[rate] = loss()
+    assert loss() == losses[rate]                                  # same batch, same mask
+    old = update_lib.logprob_fn(g, max_tokens=8, chunk_size=512)(params, tokens, mask)
+    losses[f"old{rate}"] = np.asarray(old)
+  assert abs(losses[0.5] - losses[0.0]) > 1e-4
+  np.testing.assert_array_equal(losses["old0.5"], losses["old0.0"])   # no dropout there
+  k1 = lora_lib.dropout_key(jnp.asarray(tokens))
+  k2 = lora_lib.dropout_key(jnp.asarray(tokens[::-1]))
+  assert not np.array_equal(jax.random.key_data(k1), jax.random.key_data(k2))

@@ -32,6 +32,19 @@ from gigrl.config_utils import ConfigError, check_range
 TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
            "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
 SUFFIX_A, SUFFIX_B = "_lora_a", "_lora_b"
+_TARGET_IDS = {w: i for i, w in enumerate(TARGETS.values())}
+
+
+def dropout_key(tokens: jax.Array) -> jax.Array:
+  """The adapter-dropout key of a training batch, a function of its tokens i32[B, S].
+
+  Stateless: no key threads through the train steps, a resumed run draws the same masks, and
+  each batch (each micro-batch) gets its own; a batch seen twice (PPO epochs) gets the same.
+  """
+  b, s = tokens.shape
+  weights = (jnp.arange(1, s + 1, dtype=jnp.int32)[None, :] * 7919
+             + jnp.arange(1, b + 1, dtype=jnp.int32)[:, None] * 104729)
+  return jax.random.fold_in(jax.random.key(0), jnp.sum(tokens.astype(jnp.int32) * weights))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +74,7 @@ def default_config() -> mlc.ConfigDict:
   c.rank = 0                                  # adapter rank r; 0 = full fine-tuning
   c.alpha = 16.0                              # the low-rank term is scaled by alpha / r
   c.targets = ",".join(TARGETS)               # peft module names, comma-separated (or a list)
-  c.dropout = 0.0                             # only 0.0 for now (see validate)
+  c.dropout = 0.0                             # dropout on the adapters' input, training only
   return c
 
 
@@ -76,7 +89,7 @@ def settings_from_config(cfg_model: Any) -> LoraSettings:
   Raises:
     ConfigError: naming ``model.lora.<field>``: a rank that is negative or not an integer,
       alpha <= 0, a target that names no projection (the message lists those that exist),
-      no targets with rank > 0, dropout other than 0.
+      no targets with rank > 0, dropout outside [0, 1).
   """
   if "lora" not in cfg_model:
     return LoraSettings()
@@ -88,7 +101,7 @@ def settings_from_config(cfg_model: Any) -> LoraSettings:
   if unknown or (rank and not targets):
     raise ConfigError("model.lora.targets", cfg_model.lora.targets,
                       f"a comma-separated subset of the projections {','.join(TARGETS)}")
-  dropout = check_range(c, "model.lora.dropout", 0.0, 0.0)
+  dropout = check_range(c, "model.lora.dropout", 0.0, 1.0, hi_open=True)
   return LoraSettings(rank=int(rank), alpha=float(alpha), targets=targets,
                       dropout=float(dropout))
 
@@ -114,6 +127,7 @@ def add_adapters(model: nnx.Module, settings: LoraSettings, *, rngs: nnx.Rngs) -
     setattr(layers, TARGETS[target] + SUFFIX_B,
             nnx.LoRAParam(jnp.zeros((n_layers, settings.rank, d_out), pd)))
   layers.lora_scale = settings.scale
+  layers.lora_dropout = settings.dropout
   return model
 
 
@@ -122,14 +136,21 @@ def adapter_names(layers: nnx.Module) -> list[str]:
   return sorted(k for k in vars(layers) if k.endswith((SUFFIX_A, SUFFIX_B)))
 
 
-def low_rank(x: jax.Array, p: dict[str, jax.Array], name: str, scale: float):
-  """``scale · (x A) B`` of base weight ``name`` if ``p`` holds its adapters, else None.
+def low_rank(x: jax.Array, p: dict[str, jax.Array], name: str, scale: float,
+             dropout: float = 0.0, key: jax.Array | None = None):
+  """``scale · (dropout(x) A) B`` of base weight ``name`` if ``p`` holds its adapters, else None.
 
-  x: [..., in] in the compute dtype; A [in, r], B [r, out] one layer's matrices.
+  x: [..., in] in the compute dtype; A [in, r], B [r, out] one layer's matrices. With a ``key``
+  and ``dropout`` > 0 the adapters see x with each entry zeroed with probability ``dropout`` and
+  the rest scaled by 1 / (1 - dropout) (peft's ``lora_dropout``; the base term sees x whole).
   """
   a = p.get(name + SUFFIX_A)
   if a is None:
     return None
+  if key is not None and dropout > 0.0:
+    keep = jax.random.bernoulli(jax.random.fold_in(key, _TARGET_IDS[name]), 1.0 - dropout,
+                                x.shape)
+    x = jnp.where(keep, x / (1.0 - dropout), 0).astype(x.dtype)
   xa = jnp.matmul(x.reshape(-1, x.shape[-1]), a, preferred_element_type=jnp.float32)
   y = jnp.matmul(xa.astype(x.dtype), p[name + SUFFIX_B], preferred_element_type=jnp.float32)
   return (scale * y).astype(x.dtype).reshape(*x.shape[:-1], y.shape[-1])

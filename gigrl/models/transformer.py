@@ -312,16 +312,19 @@ class Transformer(nnx.Module):
       out = jnp.einsum("nd,dv->nv", h2, w, preferred_element_type=jnp.float32)
     return out.reshape(*h.shape[:-1], out.shape[-1])
 
-  def _proj(self, p: dict, name: str, x: jax.Array) -> jax.Array:
-    """x @ p[name], plus the LoRA term when the layer has adapters on ``name``."""
+  def _proj(self, p: dict, name: str, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+    """x @ p[name], plus the LoRA term when the layer has adapters on ``name`` (with adapter
+    dropout when a training ``key`` is given)."""
     y = dense(x, p[name])
-    extra = lora_lib.low_rank(x, p, name, getattr(self.layers, "lora_scale", 1.0))
+    extra = lora_lib.low_rank(x, p, name, getattr(self.layers, "lora_scale", 1.0),
+                              getattr(self.layers, "lora_dropout", 0.0), key)
     return y if extra is None else y + extra
 
-  def _qkv(self, p, h, positions):
+  def _qkv(self, p, h, positions, key=None):
     cfg = self.cfg
     b, c, _ = h.shape
-    q, k, v = self._proj(p, "wq", h), self._proj(p, "wk", h), self._proj(p, "wv", h)
+    q, k, v = (self._proj(p, "wq", h, key), self._proj(p, "wk", h, key),
+               self._proj(p, "wv", h, key))
     if "bq" in p:
       q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     q = q.reshape(b, c, cfg.num_heads, cfg.head_dim)
@@ -331,7 +334,7 @@ class Transformer(nnx.Module):
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
   def block(self, p: dict, x: jax.Array, positions: jax.Array,
-            attention: Callable) -> tuple[jax.Array, object]:
+            attention: Callable, key: jax.Array | None = None) -> tuple[jax.Array, object]:
     """One decoder block (the only copy of its body; every forward path calls it).
 
     Args:
@@ -339,17 +342,18 @@ class Transformer(nnx.Module):
       x: [B, C, D] residual stream; positions: i32[B, C] RoPE positions.
       attention: (q [B,C,H,Dh], k, v [B,C,KV,Dh]) -> (o [B,C,H,Dh], aux); the
         cached paths write k/v into their cache there and return it as aux.
+      key: this layer's LoRA-dropout key (training forward only), or None.
     Returns:
       (x [B, C, D], aux).
     """
     eps = self.cfg.rms_norm_eps
-    q, k, v = self._qkv(p, rms_norm(x, p["attn_norm"], eps), positions)
+    q, k, v = self._qkv(p, rms_norm(x, p["attn_norm"], eps), positions, key)
     o, aux = attention(q, k, v)
     b, c = o.shape[:2]
-    x = x + self._proj(p, "wo", o.reshape(b, c, -1))
+    x = x + self._proj(p, "wo", o.reshape(b, c, -1), key)
     h = rms_norm(x, p["mlp_norm"], eps)
-    mlp = swiglu(self._proj(p, "w_gate", h), self._proj(p, "w_up", h))
-    x = x + self._proj(p, "w_down", mlp)
+    mlp = swiglu(self._proj(p, "w_gate", h, key), self._proj(p, "w_up", h, key))
+    x = x + self._proj(p, "w_down", mlp, key)
     return constrain_batch(x), aux
 
   def _maybe_remat(self, fn):
@@ -390,7 +394,8 @@ class Transformer(nnx.Module):
 
   def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
              mask: jax.Array | None = None,
-             segment_ids: jax.Array | None = None) -> jax.Array:
+             segment_ids: jax.Array | None = None,
+             lora_dropout_key: jax.Array | None = None) -> jax.Array:
     """Final-normed hidden states.
 
     Args:
@@ -401,6 +406,8 @@ class Transformer(nnx.Module):
         block-wise when S > cfg.causal_block > 0, or dense.
       segment_ids: optional i32[B, S]; with the causal default, tokens attend only
         within their segment (e.g. 0 on padding, 1 on real tokens).
+      lora_dropout_key: training forward of a LoRA model with ``model.lora.dropout`` > 0:
+        the adapters' dropout key (folded with the layer index); None = no dropout.
     Returns:
       [B, S, D] in the compute dtype.
     """
@@ -409,16 +416,20 @@ class Transformer(nnx.Module):
       positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     attention = self._train_attention(b, s, mask, segment_ids)
     x = self.embed_tokens(tokens)
+    dropout = lora_dropout_key is not None and getattr(self.layers, "lora_dropout", 0.0) > 0
 
-    def layer(x, p):
-      return self.block(p, x, positions, lambda q, k, v: (attention(q, k, v), None))
+    def layer(x, xs):
+      p, i = xs
+      key = jax.random.fold_in(lora_dropout_key, i) if dropout else None
+      return self.block(p, x, positions, lambda q, k, v: (attention(q, k, v), None), key)
 
     layer = self._maybe_remat(layer)
     if self.loop_layers():
-      for p in self.layers.unstacked(self.dtype):
-        x, _ = layer(x, p)
+      for i, p in enumerate(self.layers.unstacked(self.dtype)):
+        x, _ = layer(x, (p, i))
     else:
-      x, _ = jax.lax.scan(layer, x, self.layers.stacked(self.dtype),
+      x, _ = jax.lax.scan(layer, x, (self.layers.stacked(self.dtype),
+                                     jnp.arange(self.cfg.num_layers)),
                           unroll=self.cfg.scan_unroll)
     return rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
 
