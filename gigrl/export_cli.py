@@ -15,7 +15,6 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 from typing import Sequence
 
 PROG = "gigrl-export"
@@ -62,10 +61,7 @@ def export(workdir: str, out: str, *, step: int | None = None, peft: bool = Fals
   if peft and not policy.lora.enabled:
     raise UserError(f"--peft: the run in {workdir} has no LoRA adapters (model.lora.rank = 0)")
   model = nnx.merge(policy.graphdef, params)
-  parent = os.path.dirname(os.path.abspath(out))
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".gigrl-export-", dir=parent)
-  try:
+  with hf.atomic_directory(out, ".gigrl-export-") as tmp:
     if peft:
       base = cfg.model.hf_path or f"gigrl preset {cfg.model.preset} (seed {cfg.seed})"
       hf.to_peft(model, policy.lora, tmp, base=base)
@@ -75,12 +71,6 @@ def export(workdir: str, out: str, *, step: int | None = None, peft: bool = Fals
       for name in TOKENIZER_FILES if os.path.isdir(tok) else ():
         if os.path.exists(os.path.join(tok, name)):
           shutil.copy(os.path.join(tok, name), tmp)
-    if os.path.isdir(out):
-      os.rmdir(out)
-    os.rename(tmp, out)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
   files = sorted(os.path.join(out, f) for f in os.listdir(out))
   what = "LoRA adapters (peft)" if peft else (
       "merged model" if policy.lora.enabled else "model")

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from typing import Any, Iterator
 
 import numpy as np
@@ -235,7 +233,7 @@ def gguf_to_hf(gguf_path: str, out_dir: str, meta: dict[str, Any] | None = None
     GGUFError: unreadable, truncated or unsupported file (names the file and the tensor or
       key); OSError subclasses for an out_dir that cannot be written.
   """
-  from gigrl.models.hf import write_safetensors  # pylint: disable=g-import-not-at-top
+  from gigrl.models.hf import atomic_directory, write_safetensors  # pylint: disable=g-import-not-at-top
   reader = _reader(gguf_path)
   config = hf_config(reader)
   tensors = dict(hf_tensors(reader, config))
@@ -248,11 +246,7 @@ def gguf_to_hf(gguf_path: str, out_dir: str, meta: dict[str, Any] | None = None
   out_dir = os.path.abspath(out_dir)
   if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
     raise FileExistsError(f"{out_dir} exists and is not an empty directory")
-  parent = os.path.dirname(out_dir)
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".gigrl-fetch-", dir=parent)
-  os.chmod(tmp, 0o755)
-  try:
+  with atomic_directory(out_dir, ".gigrl-fetch-") as tmp:
     write_safetensors(os.path.join(tmp, "model.safetensors"), tensors)
     files = {"config.json": config, "tokenizer.json": tok_json,
              "tokenizer_config.json": tok_cfg,
@@ -266,11 +260,5 @@ def gguf_to_hf(gguf_path: str, out_dir: str, meta: dict[str, Any] | None = None
     for name, obj in files.items():
       with open(os.path.join(tmp, name), "w") as f:
         json.dump(obj, f, indent=2, ensure_ascii=False)
-    if os.path.isdir(out_dir):
-      os.rmdir(out_dir)
-    os.rename(tmp, out_dir)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
   return {"dir": out_dir, "num_params": num_params,
           "files": sorted(["model.safetensors", *files]), "config": config}

@@ -15,10 +15,13 @@ HF Linear weights are [out, in]; gigrl kernels are [in, out] and stacked over la
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
+import shutil
 import struct
+import tempfile
 from typing import Any, Iterator
 
 import jax
@@ -111,6 +114,25 @@ def _read_header(fn: str) -> Iterator[tuple[str, dict, int]]:
   for name, meta in header.items():
     if name != "__metadata__":
       yield name, meta, 8 + n
+
+
+@contextlib.contextmanager
+def atomic_directory(out_dir: str, prefix: str = ".gigrl-"):
+  """Yields a new temporary directory beside ``out_dir`` (mode 755) that becomes ``out_dir``
+  (new or empty) when the block ends; on any error it is removed, so nothing half-written is
+  left where a complete directory is expected."""
+  parent = os.path.dirname(os.path.abspath(out_dir))
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
+  os.chmod(tmp, 0o755)
+  try:
+    yield tmp
+    if os.path.isdir(out_dir):
+      os.rmdir(out_dir)
+    os.rename(tmp, out_dir)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
 
 
 def write_safetensors(fn: str, tensors: dict[str, np.ndarray]) -> None:
