@@ -192,7 +192,7 @@ def main(argv=None) -> None:
                      ("train_tokens_per_s", "trained tok/s"), ("gen_mfu", "generation MFU"),
                      ("update_mfu", "update MFU")):
     extra = f"   {res['gigrl_multi_turn'][key]:10.3f}" if "gigrl_multi_turn" in res else ""
-    speed = f"{r[key] / g[key]:8.2f}" if key.endswith("_s") and g[key] else " " * 8
+    speed = f"{r[key] / g[key]:8.2f}" if key in ("gen_s", "update_s", "step_s") else " " * 8
     print(f"{label:24s} {g[key]:10.3f} {r[key]:10.3f} {g[key] / r[key]:10.3f} {speed}{extra}")
   res["speedup"] = {k: r[k] / g[k] for k in ("gen_s", "update_s", "step_s")}
   print(f"\ngigrl/TRL step-time ratio {g['step_s'] / r['step_s']:.3f} (speedup "
