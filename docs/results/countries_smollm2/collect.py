@@ -87,7 +87,7 @@ def collect(runs: str, sft_steps: int, num_steps: int) -> dict:
                   ("reward_mean", "zero_variance_frac", "entropy", "search_calls_mean",
                    "step_time_s", "trained_groups")}})
   crow = _jsonl(os.path.join(runs, "control", "metrics.jsonl"))
-  cc = [{"step": 0, **start_m}] + curve(crow, sft_steps + 1)
+  cc = [{"step": 0, **start_m}] + [c for c in curve(crow, sft_steps) if c["step"] > 0]
   if len(cc) > 1:
     out["control"] = {"what": "further SFT from the same start (same number of updates)",
                       "start": cc[0], "final": cc[-1], "curve": cc,
