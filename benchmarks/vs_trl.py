@@ -202,7 +202,7 @@ def main(argv=None) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     res.update(device=f"CPU, {os.cpu_count()} cores", gigrl_over_trl_speedup=res["speedup"][
         "step_s"], command="python benchmarks/vs_trl.py " + " ".join(argv or sys.argv[1:]),
-               settings=vars(a), peak_flops=peak, n_params=n_params)
+               args=vars(a), peak_flops=peak, n_params=n_params)
     with open(a.json, "w") as f:
       json.dump(res, f, indent=1)
     print(f"wrote {a.json}")
