@@ -51,14 +51,14 @@ setuptools.setup(
                     "tpu": ["jax[tpu]>=0.10,<0.11"]},
     entry_points={
         "console_scripts": [
-            "gigrl-train=gigrl.train:run",
+            "gigrl-train=gigrl.cli.train:run",
             "gigrl-convert-hf=gigrl.models.convert:run",
-            "gigrl-compile=gigrl.compile:run",
+            "gigrl-compile=gigrl.cli.compile:run",
             "gigrl-serve-retriever=gigrl.search.server:run",
-            "gigrl-eval=gigrl.eval_cli:run",
-            "gigrl-sweep=gigrl.sweep:run",
+            "gigrl-eval=gigrl.cli.eval:run",
+            "gigrl-sweep=gigrl.cli.sweep:run",
             "gigrl-fetch=gigrl.models.fetch:run",
-            "gigrl-export=gigrl.export_cli:run",
+            "gigrl-export=gigrl.cli.export:run",
         ]
     },
 )

@@ -18,12 +18,12 @@ host path, in the trainer's order:
   to ``gigrl-serve-retriever`` on localhost);
 * ``obs tokenize``: formatting and tokenising the passages;
 * ``collate``: padding each turn's observations and ``trajectory.collate``;
-* ``reward``: exact match (``rl_batch.rollout_rewards``);
-* ``pool``: query pool sample/update and ``rl_batch.train_rows``;
-* ``anchors + inputs``: ``rl_batch.advantage_inputs`` with the GiGPO search
+* ``reward``: exact match (``reward_lib.rollout_rewards``);
+* ``pool``: query pool sample/update and ``batch_lib.train_rows``;
+* ``anchors + inputs``: ``adv_inputs.advantage_inputs`` with the GiGPO search
   recipe's similarity anchors (threshold 0.9);
 * ``advantages``: the jitted ``compute_advantages`` (input transfer included);
-* ``token gather``: ``rl_batch.train_batch`` (token advantages).
+* ``token gather``: ``batch_lib.train_batch`` (token advantages).
 
 Times are wall seconds of one step (after an untimed warm-up step), with the
 process-CPU total beside them. Budget: <= 10 s per 2,560 trajectories on this
@@ -49,7 +49,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402  pylint: disable=wrong-import-position
 import numpy as np
 
-from gigrl import rl_batch
+from gigrl.advantages import inputs as adv_inputs
+from gigrl.rollout import reward as reward_lib
+from gigrl.update import batch as batch_lib
 from gigrl.advantages import compose as adv_compose
 from gigrl.data import pool as pool_lib
 from gigrl.data import qa
@@ -206,13 +208,13 @@ def rl_step(data, pool, policy, tok, retriever, settings, adv, clock, g, p):
       [q.golden_answers[0] for q in padded for _ in range(g)],
       policy, tok, retriever, settings, clock)
   with clock.stage("reward"):
-    rewards = rl_batch.rollout_rewards(batch, [q.golden_answers
+    rewards = reward_lib.rollout_rewards(batch, [q.golden_answers
                                                for q in questions], g)
   with clock.stage("pool"):
     accepted, _ = pool.update(cands, rewards)
-    rows, valid = rl_batch.train_rows(cands, accepted, p, g)
+    rows, valid = batch_lib.train_rows(cands, accepted, p, g)
   with clock.stage("anchors + inputs"):
-    inputs = rl_batch.advantage_inputs(
+    inputs = adv_inputs.advantage_inputs(
         batch, rewards, rows, valid, settings.max_turns + 1,
         anchor_grouping="similarity",
         similarity_thresh=adv_cfg.gigpo_similarity_thresh)
@@ -220,7 +222,7 @@ def rl_step(data, pool, policy, tok, retriever, settings, adv, clock, g, p):
     a, _, _ = adv_fn(inputs, adv_state)
     a = np.asarray(a)
   with clock.stage("token gather"):
-    rl_batch.train_batch(batch, rows, valid, a)
+    batch_lib.train_batch(batch, rows, valid, a)
   return batch
 
 

@@ -4,7 +4,7 @@
   python benchmarks/lora_vs_full.py --hf_path ~/.cache/gigrl/models/smollm2-135m-instruct \
       --rows 8 --seq 256 --rank 16                                    # SmolLM2-135M
 
-Builds the policy and the jitted SFT step (`gigrl.build.build_steps`, the trainer's own) twice
+Builds the policy and the jitted SFT step (`gigrl.training.build.build_steps`, the trainer's own) twice
 in one process, once with `model.lora.rank = 0` and once with the given rank, and times the
 step on one fixed batch of `rows x seq` tokens (every token in the loss) for each, side by
 side: median wall time over `--steps` steps after one compiling step. It prints the params,
@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import timed_runs  # noqa: E402
 
-from gigrl import build  # noqa: E402
+from gigrl.training import build  # noqa: E402
 from gigrl import config as config_lib  # noqa: E402
 
 

@@ -55,7 +55,7 @@ def gemm_peak_flops(n: int = 2048, repeats: int = 5) -> float:
 
 def train_run(workdir: str, overrides: list[str]) -> tuple[list[dict], float, float]:
   """(metrics rows, wall s, peak RSS GiB) of one gigrl-train subprocess."""
-  cmd = [sys.executable, "-m", "gigrl.train", "--config", CONFIG, "--workdir", workdir,
+  cmd = [sys.executable, "-m", "gigrl.cli.train", "--config", CONFIG, "--workdir", workdir,
          *overrides]
   t0 = time.perf_counter()
   before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss

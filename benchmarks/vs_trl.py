@@ -62,7 +62,7 @@ def gigrl_config(a, max_turns: int):
 
 def run_gigrl(a, max_turns: int):
   """(per-step rows after the first, the trainer) of an in-process gigrl RL run."""
-  from gigrl import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+  from gigrl.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory() as tmp:
     t = trainer_lib.Trainer(gigrl_config(a, max_turns), tmp)
     t.run()
@@ -83,7 +83,7 @@ def run_trl(a, prompts: list[str], answers: list[list[str]]):
   import torch
   import transformers
   import trl
-  from gigrl import reward as reward_lib
+  from gigrl.rollout import reward as reward_lib
   # pylint: enable=g-import-not-at-top
   torch.manual_seed(0)
   rows = [{"prompt": p, "golden": g} for _ in range(a.steps) for p, g in zip(prompts, answers)]

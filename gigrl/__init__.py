@@ -2,6 +2,6 @@
 
 Data flow (one module per stage, no cycles):
   data -> rollout (policy = gigrl.models, search = gigrl.search) -> reward
-  -> advantages -> loss -> update (gigrl.train).
+  -> advantages -> loss -> update (gigrl.cli.train).
 """
 __version__ = "0.1.0"

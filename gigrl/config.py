@@ -1,23 +1,28 @@
 """The run config: one ml_collections ConfigDict with a section per stage.
 
 Sections: ``data``, ``model``, ``rollout``, ``search``, ``advantage``, ``loss``, ``train``,
-``checkpoint`` and a top-level ``seed``. Each stage's module owns its section's defaults and validation; this
-module composes them (``base_config``) and validates the whole (``validate``). Config files in
-``configs/`` start from ``base_config()`` and override fields.
+``checkpoint`` and a top-level ``seed``. Each stage's module owns its section's defaults and
+validation; this module composes them (``base_config``) and validates the whole
+(``validate``). Config files in ``configs/`` start from ``base_config()`` and override fields;
+``load_file`` reads one, ``apply_overrides`` sets ``section.field=value`` assignments.
 """
 from __future__ import annotations
 
+import ast
 import os
+import runpy
+from typing import Any, Sequence
 
 import ml_collections
 
 from gigrl import advantages
-from gigrl import loss
 from gigrl import models
 from gigrl import search
-from gigrl.config_utils import ConfigError, check_choice, check_file, check_range, get_field
+from gigrl.config_utils import ConfigError, UserError, check_choice, check_file, check_range
+from gigrl.config_utils import get_field
 from gigrl.data import pool as pool_lib
 from gigrl.data import qa
+from gigrl.update import loss
 
 
 def data_config() -> ml_collections.ConfigDict:
@@ -52,13 +57,13 @@ def train_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.num_steps = 100            # RL steps
   c.learning_rate = 1e-6
-  # Learning-rate schedule, verl actor ``optim.*`` names (gigrl.update.lr_schedule), in RL steps:
+  # Learning-rate schedule, verl actor ``optim.*`` names (gigrl.update.step.lr_schedule), in RL steps:
   c.lr_warmup_steps = 0        # > 0: warm-up steps; 0: int(lr_warmup_steps_ratio * num_steps)
   c.lr_warmup_steps_ratio = 0.0
   c.lr_scheduler_type = "constant"   # constant | cosine (after the warm-up)
   c.min_lr_ratio = 0.0         # cosine floor, as a fraction of learning_rate
   c.num_cycles = 0.5           # cosine cycles over the decay (0.5 = half a cosine, to the floor)
-  # PPO updates per RL step as verl runs them (gigrl.update.ppo_update):
+  # PPO updates per RL step as verl runs them (gigrl.update.step.ppo_update):
   c.ppo_mini_batch_size = 0    # prompts (groups) per mini-batch, verl's unit; 0 = all P
   c.ppo_epochs = 1             # passes over the step's rows
   c.micro_batch_size = 0       # rows per gradient-accumulation micro-batch; 0 = the mini-batch
@@ -109,7 +114,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.rollout = rollout_config()
   c.search = search.default_config()
   c.advantage = advantages.default_config()
-  c.loss = loss.default_config()         # PPO-clip / KL / entropy: gigrl.loss.ppo_loss's options
+  c.loss = loss.default_config()         # PPO-clip / KL / entropy: gigrl.update.loss.ppo_loss's options
   c.train = train_config()
   c.checkpoint = checkpoint_config()
   return c
@@ -209,3 +214,69 @@ def _validate_train(cfg):
   check_range(cfg, "train.sample_every", 1, integer=True)
   check_range(cfg, "train.eval_every", 0, integer=True)
   check_range(cfg, "train.sft_eval_every", 0, integer=True)
+
+
+# ------------------------------------------------------------------- files and overrides
+def load_file(spec: str) -> ml_collections.ConfigDict:
+  """The config of a config file, ``FILE[:PRESET]`` as ``gigrl-train --config`` takes it
+  (``get_config(PRESET)``, or ``get_config()`` without one).
+
+  Raises:
+    UserError: naming ``--config`` when the file does not exist.
+  """
+  path, _, preset = spec.partition(":")
+  if not os.path.isfile(path):
+    raise UserError(f"--config {path}: no such file")
+  get_config = runpy.run_path(path)["get_config"]
+  return get_config(preset) if preset else get_config()
+
+
+def merge_saved(cfg: ml_collections.ConfigDict, values: dict[str, Any]) -> None:
+  """Writes ``values`` (a saved config's JSON, e.g. a checkpoint's) into ``cfg``, field by
+  field (fields the saved config has but this version does not are skipped)."""
+  for k, v in values.items():
+    if k not in cfg:
+      continue
+    if isinstance(v, dict) and hasattr(cfg[k], "keys"):
+      merge_saved(cfg[k], v)
+    else:
+      try:
+        cfg[k] = type(cfg[k])(v) if isinstance(cfg[k], tuple) else v
+      except (TypeError, ValueError):
+        pass
+
+
+def apply_overrides(cfg: ml_collections.ConfigDict, assignments: Sequence[str], *,
+                    what: str = "--config") -> None:
+  """Sets ``section.field=value`` assignments (a leading ``--config.`` is dropped), the value
+  read as a Python literal (else a string; ``true``/``false`` on bool fields; an int on a
+  float field becomes a float).
+
+  Raises:
+    ConfigError: naming ``<what> <field>`` when the field does not exist or an assignment has
+      no ``=``.
+  """
+  for a in assignments:
+    path, eq, raw = a.removeprefix("--config.").partition("=")
+    node, parts = cfg, path.split(".")
+    try:
+      for part in parts[:-1]:
+        node = node[part]
+      old = node[parts[-1]]
+    except (KeyError, AttributeError, TypeError):
+      raise ConfigError(f"{what} {path}", raw, "an existing config field") from None
+    if not eq:
+      raise ConfigError(f"{what} {path}", raw, "SECTION.FIELD=VALUE")
+    if isinstance(old, bool) and raw.lower() in ("true", "false"):
+      value = raw.lower() == "true"
+    else:
+      try:
+        value = ast.literal_eval(raw)
+      except (ValueError, SyntaxError):
+        value = raw
+    if isinstance(old, float) and isinstance(value, int) and not isinstance(value, bool):
+      value = float(value)
+    if isinstance(old, tuple) and isinstance(value, (list, tuple)):
+      value = tuple(value)
+    node[parts[-1]] = value
+

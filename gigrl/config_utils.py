@@ -9,6 +9,7 @@ error a user can cause derives from :class:`UserError`.
 from __future__ import annotations
 
 import os
+import uuid
 from typing import Any, Iterable
 
 
@@ -102,3 +103,23 @@ def check_file(cfg: Any, field: str, what: str) -> str:
   if not has_content:
     raise ConfigError(field, path, f"{what} with at least one row (the file is empty)")
   return path
+
+
+def check_writable_dir(path: str, what: str) -> None:
+  """Creates ``path`` if needed and checks a file can be written in it (local paths).
+
+  Raises:
+    UserError: naming ``what`` (e.g. ``--workdir``), the path and the OS error.
+  """
+  if "://" in path:          # gs://... (pods): created and checked by its writers
+    return
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise UserError(f"{what} {path}: exists and is not a directory")
+  try:
+    os.makedirs(path, exist_ok=True)
+    probe = os.path.join(path, f".gigrl-write-test-{uuid.uuid4().hex}")
+    with open(probe, "w", encoding="utf-8"):
+      pass
+    os.remove(probe)
+  except OSError as e:
+    raise UserError(f"{what} {path}: cannot write there ({e.strerror or e})") from None

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gigrl import tags
+from gigrl.data import tags
 from gigrl.models import PRESETS, Transformer
 from gigrl.search.base import Passage
 

@@ -26,12 +26,12 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 python3 -c "import jax, os; d = jax.devices(); assert d[0].platform == 'gpu' or os.environ.get('GIGRL_ALLOW_CPU'), d; print('[gpu.sh]', jax.__version__, d)"
 tool="$1"; shift
 case "$tool" in
-  gigrl-train)   mod=gigrl.train ;;
-  gigrl-eval)    mod=gigrl.eval_cli ;;
+  gigrl-train)   mod=gigrl.cli.train ;;
+  gigrl-eval)    mod=gigrl.cli.eval ;;
   gigrl-fetch)   mod=gigrl.models.fetch ;;
-  gigrl-sweep)   mod=gigrl.sweep ;;
-  gigrl-compile) mod=gigrl.compile ;;
-  gigrl-export)  mod=gigrl.export_cli ;;
+  gigrl-sweep)   mod=gigrl.cli.sweep ;;
+  gigrl-compile) mod=gigrl.cli.compile ;;
+  gigrl-export)  mod=gigrl.cli.export ;;
   bench)         exec python3 "$@" ;;
   pytest)        exec python3 -m pytest -p no:cacheprovider -n 0 "$@" ;;
   *) echo "gpu.sh: unknown tool $tool (gigrl-train, gigrl-eval, gigrl-fetch, gigrl-sweep, gigrl-compile, gigrl-export, bench, pytest)" >&2; exit 2 ;;

@@ -21,7 +21,7 @@ import shutil
 
 import orbax.checkpoint as ocp
 
-from gigrl import checkpoint as ckpt_lib
+from gigrl.training import checkpoint as ckpt_lib
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "countries_warm_start")
 

@@ -1,6 +1,6 @@
 """build.drop_overlong_prompts: questions whose prompt exceeds rollout.max_prompt_tokens are
 dropped at load time (verl's filter_overlong_prompts), never raised mid-run by the engine."""
-from gigrl import build
+from gigrl.training import build
 from gigrl.data import qa
 from gigrl.data import tokenizer as tok_lib
 from gigrl.rollout import turns

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gigrl import checkpoint as ckpt_lib
-from gigrl import train_state as state_lib
+from gigrl.training import checkpoint as ckpt_lib
+from gigrl.training import state as state_lib
 from gigrl.models import config as mcfg
 from gigrl.models import sharding as shd
 from gigrl.models import transformer as tfm
@@ -107,7 +107,7 @@ def test_gs_workdir_stays_remote(monkeypatch):
   """A ``gs://`` workdir reaches orbax, the run files and the TFDS dir unchanged: no os.path
   call turns it into a local path (orbax's manager is mocked: no bucket is touched)."""
   import os  # pylint: disable=import-outside-toplevel
-  from gigrl import metrics as metrics_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.training import metrics as metrics_lib  # pylint: disable=import-outside-toplevel
 
   def guard(fn):
     def wrapped(*a, **k):

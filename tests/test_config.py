@@ -22,7 +22,7 @@ def test_base_config_is_valid_and_has_all_sections():
 
 def test_loss_section_is_ppo_loss_options_with_one_default_each():
   import inspect  # pylint: disable=import-outside-toplevel
-  from gigrl import loss  # pylint: disable=import-outside-toplevel
+  from gigrl.update import loss  # pylint: disable=import-outside-toplevel
   cfg = config_lib.base_config()
   sig = inspect.signature(loss.ppo_loss).parameters
   assert set(cfg.loss) == set(loss.options())
@@ -73,7 +73,7 @@ def test_smoke_config_is_valid():
 @pytest.mark.slow
 def test_cli_rejects_bad_value_with_exit_2(tmp_path):
   proc = subprocess.run(
-      [sys.executable, "-m", "gigrl.train", "--config", os.path.join(ROOT, "configs/smoke.py"),
+      [sys.executable, "-m", "gigrl.cli.train", "--config", os.path.join(ROOT, "configs/smoke.py"),
        "--workdir", str(tmp_path), "--config.advantage.outcome=ppo"],
       capture_output=True, text=True, timeout=120, cwd=ROOT)
   assert proc.returncode == 2, proc.stderr[-2000:]
@@ -83,14 +83,14 @@ def test_cli_rejects_bad_value_with_exit_2(tmp_path):
 @pytest.mark.slow
 def test_cli_rejects_unknown_field(tmp_path):
   proc = subprocess.run(
-      [sys.executable, "-m", "gigrl.train", "--config", os.path.join(ROOT, "configs/smoke.py"),
+      [sys.executable, "-m", "gigrl.cli.train", "--config", os.path.join(ROOT, "configs/smoke.py"),
        "--workdir", str(tmp_path), "--config.train.num_stepz=3"],
       capture_output=True, text=True, timeout=120, cwd=ROOT)
   assert proc.returncode != 0 and "num_stepz" in proc.stderr
 
 
 def test_rl_skip_sft_questions_needs_an_sft_prefix_and_leaves_the_rest():
-  from gigrl import trainer
+  from gigrl.training import build
   cfg = config_lib.base_config()
   cfg.train.rl_skip_sft_questions = True
   with pytest.raises(ConfigError, match="train.sft_questions = 0") as e:
@@ -98,9 +98,9 @@ def test_rl_skip_sft_questions_needs_an_sft_prefix_and_leaves_the_rest():
   assert e.value.field == "train.rl_skip_sft_questions"
   cfg.train.sft_questions = 2
   config_lib.validate(cfg)
-  assert trainer._rl_questions(cfg.train, list("abcde")) == list("cde")
+  assert build.rl_questions(cfg.train, list("abcde")) == list("cde")
   cfg.train.rl_skip_sft_questions = False
-  assert trainer._rl_questions(cfg.train, list("abcde")) == list("abcde")
+  assert build.rl_questions(cfg.train, list("abcde")) == list("abcde")
   cfg.train.rl_skip_sft_questions, cfg.train.sft_questions = True, 5
   with pytest.raises(ConfigError, match="no question is left for RL"):
-    trainer._rl_questions(cfg.train, list("abcde"))
+    build.rl_questions(cfg.train, list("abcde"))

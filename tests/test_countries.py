@@ -106,7 +106,7 @@ def test_sft_prefix_is_one_hop_and_eval_ids_mix_hops(generated):
 
 
 def test_task_tokenizer_covers_the_task():
-  from gigrl import tags
+  from gigrl.data import tags
   from gigrl.data import tokenizer as tok_lib
   tok = tok_lib.load(os.path.join(ROOT, countries.TOKENIZER_FILE))
   assert tok.vocab_size == countries.TOKENIZER_VOCAB

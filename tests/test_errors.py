@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from gigrl import config as config_lib
-from gigrl import train
+from gigrl.cli import train
 from gigrl.config_utils import ConfigError, UserError
 from gigrl.data import qa
 from gigrl.data import tfds_qa
@@ -85,7 +85,7 @@ def cli_results(request, tmp_path_factory):
          "HF_HUB_CACHE": str(tmp / "hf_hub")}      # hub ids resolve offline, from an empty cache
   cases = _cli_cases(tmp)
   assert set(cases) == set(CLI_CASES)
-  procs = {name: (subprocess.Popen([sys.executable, "-m", "gigrl.train", *argv], cwd=tmp,
+  procs = {name: (subprocess.Popen([sys.executable, "-m", "gigrl.cli.train", *argv], cwd=tmp,
                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    text=True), pattern)
            for name, (argv, pattern) in cases.items() if name in wanted}
@@ -123,7 +123,7 @@ def test_usage_lists_the_flags():
 
 @pytest.mark.slow
 def test_help_lists_the_flags():
-  p = subprocess.run([sys.executable, "-m", "gigrl.train", "--help"], capture_output=True,
+  p = subprocess.run([sys.executable, "-m", "gigrl.cli.train", "--help"], capture_output=True,
                      text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert p.returncode == 0, p.stderr
   for text in ("--config:", "--workdir:", "--config.<section>.<field>=value", "advantage"):
@@ -206,10 +206,10 @@ def test_tfds_and_bm25_are_quiet(tmp_path, capfd):
 def test_unwritable_workdir(tmp_path):
   train.check_writable_dir(str(tmp_path / "new" / "dir"), "--workdir")
   assert (tmp_path / "new" / "dir").is_dir() and not list((tmp_path / "new" / "dir").iterdir())
-  with pytest.raises(train.UsageError, match="--workdir /proc/x/y: cannot write there"):
+  with pytest.raises(train.UserError, match="--workdir /proc/x/y: cannot write there"):
     train.check_writable_dir("/proc/x/y", "--workdir")
   (tmp_path / "a_file").write_text("x")
-  with pytest.raises(train.UsageError, match="a_file: exists and is not a directory"):
+  with pytest.raises(train.UserError, match="a_file: exists and is not a directory"):
     train.check_writable_dir(str(tmp_path / "a_file"), "--workdir")
 
 

@@ -1,11 +1,11 @@
-"""gigrl.evaluate's metrics: SQuAD F1, the breakdowns (subsets, hops, search-call strata) add up
+"""gigrl.training.evaluate's metrics: SQuAD F1, the breakdowns (subsets, hops, search-call strata) add up
 to the totals, pass@k, the spread selection of held-out questions."""
 import json
 import random
 
 import pytest
 
-from gigrl import evaluate
+from gigrl.training import evaluate
 from gigrl.data.qa import Question
 from gigrl.rollout import trajectory as traj_lib
 
@@ -128,13 +128,13 @@ def test_eval_due_steps():
   """train.eval_every counts RL steps from the end of SFT; train.sft_eval_every adds step 0,
   every N SFT steps and the end of SFT; eval_questions = 0 turns both off."""
   import ml_collections  # pylint: disable=g-import-not-at-top
-  from gigrl import trainer  # pylint: disable=g-import-not-at-top
+  from gigrl.training import evaluator  # pylint: disable=g-import-not-at-top
 
   def due(**kw):
     t = ml_collections.ConfigDict(dict(sft_steps=5, num_steps=7, eval_every=3, sft_eval_every=0,
                                        eval_questions=4))
     t.update(kw)
-    return [s for s in range(t.sft_steps + t.num_steps + 1) if trainer.eval_due(t, s)]
+    return [s for s in range(t.sft_steps + t.num_steps + 1) if evaluator.eval_due(t, s)]
 
   assert due() == [5, 8, 11, 12]
   assert due(sft_eval_every=2) == [0, 2, 4, 5, 8, 11, 12]
@@ -163,7 +163,7 @@ TINY = ["--config.train.sft_steps=2", "--config.train.num_steps=3",
 def _train(workdir, *extra):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
-  proc = subprocess.run([sys.executable, "-m", "gigrl.train", "--config",
+  proc = subprocess.run([sys.executable, "-m", "gigrl.cli.train", "--config",
                          os.path.join(ROOT, "configs/smoke.py"), "--workdir", str(workdir),
                          *TINY, *extra], capture_output=True, text=True, timeout=900,
                         cwd=ROOT, env=env)
@@ -209,7 +209,7 @@ def test_eval_every_lines_and_exact_resume(tmp_path):
   _train(workdir)
   assert _lines(workdir) == rows
   # gigrl-eval on the run's latest checkpoint and own held-out questions = the final eval
-  from gigrl import eval_cli  # pylint: disable=g-import-not-at-top
+  from gigrl.cli import eval as eval_cli  # pylint: disable=g-import-not-at-top
   out = tmp_path / "eval"
   assert eval_cli.main(["--workdir", str(workdir), "--datasets", "run,bamboogle",
                         "--max_questions", "4", "--batch_size", "4", "--output", str(out)]) == 0
@@ -227,12 +227,12 @@ def test_eval_every_lines_and_exact_resume(tmp_path):
 def _eval_cli(*args):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
-  return subprocess.run([sys.executable, "-m", "gigrl.eval_cli", *args], capture_output=True,
+  return subprocess.run([sys.executable, "-m", "gigrl.cli.eval", *args], capture_output=True,
                         text=True, timeout=300, cwd=ROOT, env=env)
 
 
 def test_resolve_datasets(tmp_path):
-  from gigrl import eval_cli  # pylint: disable=g-import-not-at-top
+  from gigrl.cli import eval as eval_cli  # pylint: disable=g-import-not-at-top
   from gigrl.config_utils import ConfigError  # pylint: disable=g-import-not-at-top
   (tmp_path / "nq").mkdir()
   (tmp_path / "nq" / "test.jsonl").write_text(
@@ -260,7 +260,7 @@ def test_resolve_datasets(tmp_path):
 
 
 def test_markdown_table_per_dataset():
-  from gigrl import eval_cli  # pylint: disable=g-import-not-at-top
+  from gigrl.cli import eval as eval_cli  # pylint: disable=g-import-not-at-top
   a = evaluate.aggregate([_result(1, 1), _result(0, 2), _result(0, 0, answered=False)])
   b = evaluate.aggregate([_result(1, 1)])
   a["eval/pass@2"], b["eval/pass@2"] = 0.5, 1.0
@@ -299,7 +299,7 @@ def _bad_input(tmp_path, case):
 def test_gigrl_eval_bad_input_exits_2(tmp_path, case, monkeypatch, capsys):
   """In-process: ``main`` exits 2 with one ``gigrl-eval: error:`` line (the console script's
   wiring is checked by the subprocess test below)."""
-  from gigrl import eval_cli  # pylint: disable=g-import-not-at-top
+  from gigrl.cli import eval as eval_cli  # pylint: disable=g-import-not-at-top
   args, want = _bad_input(tmp_path, case)
   monkeypatch.setattr(sys, "argv", ["gigrl-eval"])
   with pytest.raises(SystemExit) as e:

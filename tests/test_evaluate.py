@@ -1,12 +1,12 @@
-"""gigrl.evaluate on a stand-in engine, and the start-up checks of gigrl.build (eval leak,
+"""gigrl.training.evaluate on a stand-in engine, and the start-up checks of gigrl.training.build (eval leak,
 rows that the mesh does not divide)."""
 import jax
 import numpy as np
 import pytest
 
-from gigrl import build
+from gigrl.training import build
 from gigrl import config as config_lib
-from gigrl import evaluate
+from gigrl.training import evaluate
 from gigrl.config_utils import ConfigError
 from gigrl.data.qa import Question
 from gigrl.models import sharding as shd

@@ -335,7 +335,7 @@ def test_train_bad_hf_path_is_one_line_with_exit_2(tmp_path):
            "org/not-cached": r"'model\.hf_path' has bad value 'org/not-cached'.*"
                              r"LocalEntryNotFoundError"}
   procs = {value: subprocess.Popen(
-      [sys.executable, "-m", "gigrl.train", "--config", SMOKE, "--workdir",
+      [sys.executable, "-m", "gigrl.cli.train", "--config", SMOKE, "--workdir",
        str(tmp_path / f"w{i}"), f"--config.model.hf_path={value}"], cwd=tmp_path, env=env,
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for i, value in enumerate(cases)}

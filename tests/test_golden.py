@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from gigrl import advantages as adv_api
-from gigrl import loss as loss_lib
+from gigrl.update import loss as loss_lib
 from gigrl.advantages import anchors, gigpo, grpo, hadw, stratified
 from gigrl.data import pool as pool_lib
 

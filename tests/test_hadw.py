@@ -168,7 +168,8 @@ class BatchAccuracyOverAllGroupsTest(parameterized.TestCase):
 
 def test_advantage_inputs_carry_every_rolled_out_group_for_y_t():
   """rl_batch hands HA-DW all C candidate groups (padded to k·P), not only the P trained."""
-  from gigrl import rl_batch
+  from gigrl.advantages import inputs as adv_inputs
+  from gigrl.update import batch as batch_lib
   from gigrl.rollout import trajectory as traj_lib
   g, c, p = 2, 3, 1
   rows = []
@@ -179,8 +180,8 @@ def test_advantage_inputs_carry_every_rolled_out_group_for_y_t():
     rows.append(tb)
   batch = traj_lib.collate(rows, 8, 0)
   rewards = np.array([[1, 0], [1, 1], [0, 0]], np.float32)
-  trained, valid = rl_batch.train_rows([5, 6, 7], [6], p, g)
-  x = rl_batch.advantage_inputs(batch, rewards, trained, valid, 2, anchor_grouping=None,
+  trained, valid = batch_lib.train_rows([5, 6, 7], [6], p, g)
+  x = adv_inputs.advantage_inputs(batch, rewards, trained, valid, 2, anchor_grouping=None,
                                 num_candidates=4)
   np.testing.assert_array_equal(x.rewards, [[1, 1]])
   np.testing.assert_array_equal(x.batch_rewards[:3], rewards)

@@ -29,7 +29,8 @@ def _write_checkpoint(directory: str, vocab_size: int, eos_id: int, pad_id: int)
 
 @pytest.mark.slow
 def test_gigrl_train_with_hf_qwen2_checkpoint_and_bpe_tokenizer(tmp_path):
-  from gigrl import tags, testing  # pylint: disable=import-outside-toplevel
+  from gigrl import testing  # pylint: disable=import-outside-toplevel
+  from gigrl.data import tags  # pylint: disable=import-outside-toplevel
   from gigrl.data import tokenizer as tok_lib  # pylint: disable=import-outside-toplevel
   tok_dir = testing.write_bpe_tokenizer(str(tmp_path / "tokenizer"))
   tok = tok_lib.load(tok_dir)
@@ -39,7 +40,7 @@ def test_gigrl_train_with_hf_qwen2_checkpoint_and_bpe_tokenizer(tmp_path):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)     # one device
   proc = subprocess.run(
-      [sys.executable, "-m", "gigrl.train", "--config", os.path.join(ROOT, "configs/smoke.py"),
+      [sys.executable, "-m", "gigrl.cli.train", "--config", os.path.join(ROOT, "configs/smoke.py"),
        "--workdir", str(workdir), f"--config.model.hf_path={ckpt}",
        f"--config.data.tokenizer={tok_dir}", "--config.train.sft_steps=1",
        "--config.train.num_steps=2", "--config.data.max_train_questions=8",

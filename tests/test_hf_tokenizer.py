@@ -77,7 +77,8 @@ def test_pad(tok_dir):
 def test_testing_qwen2_style_bpe(tmp_path):
   """gigrl.testing.write_bpe_tokenizer: Qwen2 split + ByteLevel, ChatML template, tags of
   several tokens, lossless round trips of the protocol texts."""
-  from gigrl import tags, testing
+  from gigrl import testing
+  from gigrl.data import tags
   from gigrl.rollout import protocol
   tok = HFTokenizer(testing.write_bpe_tokenizer(str(tmp_path / "bpe"), vocab_size=512))
   assert tok.vocab_size == 512

@@ -1,7 +1,7 @@
 """Multi-host RL step: hosts reduce their own rows' strings, the gathered result is the one-host one.
 
-A host holds whole candidate groups (contiguous rows). ``rl_batch.row_arrays`` (rewards, answered
-flags, final searches, action validity) and ``rl_batch.group_anchor_ids`` (anchor ids of the
+A host holds whole candidate groups (contiguous rows). ``adv_inputs.row_arrays`` (rewards, answered
+flags, final searches, action validity) and ``adv_inputs.group_anchor_ids`` (anchor ids of the
 trained groups it holds) run per host share; concatenating the row arrays and taking each
 group's ids from its host must give exactly the advantage inputs, rewards and metrics that the
 one-host path computes from the whole batch's strings. The collectives are simulated in process
@@ -14,7 +14,10 @@ import numpy as np
 import pytest
 
 from gigrl import distributed
-from gigrl import rl_batch
+from gigrl.advantages import inputs as adv_inputs
+from gigrl.rollout import reward as reward_lib
+from gigrl.training import metrics as metrics_lib
+from gigrl.update import batch as batch_lib
 from gigrl.advantages import anchors as anchors_lib
 from gigrl.rollout import trajectory as traj_lib
 
@@ -62,7 +65,7 @@ def trained_rows(seed):
   rng = np.random.default_rng(seed + 100)
   cands = np.arange(C) + 50
   accepted = rng.permutation(cands)[:5]
-  return rl_batch.train_rows(cands, accepted, num_prompts=8, group_size=G)
+  return batch_lib.train_rows(cands, accepted, num_prompts=8, group_size=G)
 
 
 def local_path(batch, golden, rows, hosts, grouping):
@@ -71,12 +74,12 @@ def local_path(batch, golden, rows, hosts, grouping):
   per = n // hosts
   assert per % G == 0
   shares = [rows_of(batch, h * per, (h + 1) * per) for h in range(hosts)]
-  parts = [rl_batch.row_arrays(s, golden, G, T, first_row=h * per)
+  parts = [adv_inputs.row_arrays(s, golden, G, T, first_row=h * per)
            for h, s in enumerate(shares)]
-  arrays = rl_batch.RowArrays(*(np.concatenate(f) for f in zip(*parts)))
+  arrays = adv_inputs.RowArrays(*(np.concatenate(f) for f in zip(*parts)))
   ids = None
   if grouping is not None:
-    per_host = [rl_batch.group_anchor_ids(s, rows, T, anchor_grouping=grouping,
+    per_host = [adv_inputs.group_anchor_ids(s, rows, T, anchor_grouping=grouping,
                                           similarity_thresh=0.9, first_row=h * per)
                 for h, s in enumerate(shares)]
     owner = rows[:, 0] // per
@@ -90,15 +93,15 @@ def test_local_rows_give_the_global_inputs(hosts, grouping):
   for seed in range(3):
     batch, golden = random_batch(seed)
     rows, valid = trained_rows(seed)
-    rewards = rl_batch.rollout_rewards(batch, golden, G)
-    want = rl_batch.advantage_inputs(batch, rewards, rows, valid, T, anchor_grouping=grouping,
+    rewards = reward_lib.rollout_rewards(batch, golden, G)
+    want = adv_inputs.advantage_inputs(batch, rewards, rows, valid, T, anchor_grouping=grouping,
                                      similarity_thresh=0.9, num_candidates=C + 4,
                                      count_final_search=True)
     arrays, ids = local_path(batch, golden, rows, hosts, grouping)
     got_rewards = arrays.rewards[:C * G].reshape(C, G)
     np.testing.assert_array_equal(got_rewards, rewards)
     stripped = dataclasses.replace(batch, **{k: None for k in LOCAL})   # not gathered
-    got = rl_batch.advantage_inputs(stripped, got_rewards, rows, valid, T,
+    got = adv_inputs.advantage_inputs(stripped, got_rewards, rows, valid, T,
                                     anchor_grouping=grouping, similarity_thresh=0.9,
                                     num_candidates=C + 4, count_final_search=True,
                                     row_arrays=arrays, anchor_ids=ids)
@@ -106,23 +109,23 @@ def test_local_rows_give_the_global_inputs(hosts, grouping):
       g = getattr(got, name)
       assert g.dtype == w.dtype, name
       np.testing.assert_array_equal(g, w, err_msg=f"{name} (seed {seed})")
-    assert rl_batch.rollout_metrics(stripped, rewards, arrays.answered) == \
-        rl_batch.rollout_metrics(batch, rewards)
+    assert metrics_lib.rollout_metrics(stripped, rewards, arrays.answered) == \
+        metrics_lib.rollout_metrics(batch, rewards)
     if grouping is not None:      # the anchors are not all alike: the check has teeth
       assert len(np.unique(want.anchor_ids)) > 3
-      assert 0 < rl_batch.anchor_group_frac(got) == rl_batch.anchor_group_frac(want) < 1
+      assert 0 < adv_inputs.anchor_group_frac(got) == adv_inputs.anchor_group_frac(want) < 1
 
 
 def test_groups_held_elsewhere_are_padding_and_split_groups_are_refused():
   batch, _ = random_batch(0)
   rows, _ = trained_rows(0)
   share = rows_of(batch, 0, 2 * G)                  # groups 0 and 1
-  ids = rl_batch.group_anchor_ids(share, rows, T, anchor_grouping="exact")
+  ids = adv_inputs.group_anchor_ids(share, rows, T, anchor_grouping="exact")
   held = rows[:, 0] < 2 * G
   assert (ids[~held] == anchors_lib.PAD_ID).all()
   assert held.any() and (ids[held] >= 0).any()
   with pytest.raises(ValueError, match="split between hosts"):
-    rl_batch.group_anchor_ids(rows_of(batch, 0, G + 1), rows, T, anchor_grouping="exact")
+    adv_inputs.group_anchor_ids(rows_of(batch, 0, G + 1), rows, T, anchor_grouping="exact")
 
 
 def test_anchor_group_frac_by_hand():
@@ -130,7 +133,7 @@ def test_anchor_group_frac_by_hand():
       step_valid=np.array([[[True, True], [True, False]], [[True, True], [False, False]]]),
       anchor_ids=np.array([[[0, 1], [0, -1]], [[0, 0], [-1, -1]]], np.int32)))
   # prompt 0: groups {0, 1} over 3 valid steps; prompt 1: group {0} over 2 -> 3 / 5
-  assert rl_batch.anchor_group_frac(inputs) == pytest.approx(3 / 5)
+  assert adv_inputs.anchor_group_frac(inputs) == pytest.approx(3 / 5)
 
 
 def test_gather_owned_takes_each_item_from_its_owner(monkeypatch):

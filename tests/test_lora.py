@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gigrl import build
+from gigrl.training import build
 from gigrl import config as config_lib
-from gigrl import loss as loss_lib
-from gigrl import update as update_lib
+from gigrl.update import loss as loss_lib
+from gigrl.update import step as update_lib
 from gigrl.config_utils import ConfigError
 from gigrl.models import config as mcfg
 from gigrl.models import lora as lora_lib
@@ -175,7 +175,7 @@ LORA = ["--config.model.lora.rank=8"]
 
 def _train(workdir, *extra, ok=True):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  proc = subprocess.run([sys.executable, "-m", "gigrl.train", "--config",
+  proc = subprocess.run([sys.executable, "-m", "gigrl.cli.train", "--config",
                          os.path.join(ROOT, "configs/smoke.py"), "--workdir", str(workdir),
                          *ARGS, *extra], capture_output=True, text=True, timeout=600, cwd=ROOT,
                         env=env)
@@ -244,8 +244,8 @@ def test_export_merged_loads_in_transformers_and_adapters_in_peft(tmp_path, lora
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   peft = pytest.importorskip("peft")
-  from gigrl import eval_cli
-  from gigrl import export_cli
+  from gigrl.cli import eval as eval_cli
+  from gigrl.cli import export as export_cli
   from gigrl.models import hf
   merged, adapters, base_dir = tmp_path / "merged", tmp_path / "adapters", tmp_path / "base"
   files = export_cli.export(str(lora_run), str(merged))

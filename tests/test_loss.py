@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gigrl import config_utils
-from gigrl import loss as loss_lib
+from gigrl.update import loss as loss_lib
 
 
 def numpy_agg(mat, mask, mode, scale=None):

@@ -50,9 +50,9 @@ TIMEOUT_S = 1500
 
 def worker(log: str, argv: list[str]) -> None:
   """One gigrl-train process whose RunOutputs writes are logged to ``log``."""
-  from gigrl import metrics as metrics_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.training import metrics as metrics_lib  # pylint: disable=import-outside-toplevel
   from gigrl import testing  # pylint: disable=import-outside-toplevel
-  from gigrl import train  # pylint: disable=import-outside-toplevel
+  from gigrl.cli import train  # pylint: disable=import-outside-toplevel
   testing.cache_compiles_on_every_process()    # the relaunches load process 1's programs too
   sig = os.environ.get("GIGRL_TEST_SIGNAL", "")
 

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gigrl import build
+from gigrl.training import build
 from gigrl import config as config_lib
-from gigrl import loss as loss_lib
-from gigrl import update as update_lib
+from gigrl.update import loss as loss_lib
+from gigrl.update import step as update_lib
 from gigrl.config_utils import ConfigError
 from gigrl.models import config as mcfg
 from gigrl.models import sharding as shd

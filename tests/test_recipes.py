@@ -80,7 +80,7 @@ def _train(name, arg, workdir):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   proc = subprocess.run(
-      [sys.executable, "-m", "gigrl.train", "--config",
+      [sys.executable, "-m", "gigrl.cli.train", "--config",
        os.path.join(ROOT, "configs", f"{name}.py:{arg}"), "--workdir", str(workdir)],
       capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
   assert proc.returncode == 0, proc.stderr[-4000:]

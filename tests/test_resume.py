@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow     # subprocess runs of gigrl-train
 
 
 def _cmd(workdir, *extra):
-  return [sys.executable, "-m", "gigrl.train", "--config",
+  return [sys.executable, "-m", "gigrl.cli.train", "--config",
           os.path.join(ROOT, "configs/smoke.py"), "--workdir", str(workdir), *ARGS, *extra]
 
 

@@ -1,7 +1,7 @@
 """Reward: SQuAD normalisation, last-answer parsing, generated-text-only scoring."""
 import pytest
 
-from gigrl import reward
+from gigrl.rollout import reward
 from gigrl.data.qa import normalize_answer
 from gigrl.rollout import protocol
 

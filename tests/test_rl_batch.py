@@ -1,4 +1,4 @@
-"""The RL step's host glue (gigrl.rl_batch) on hand-written cases.
+"""The RL step's host glue (gigrl.update.batch) on hand-written cases.
 
 The batch: C = 3 candidate groups (pool ids 7, 2, 5) × G = 3 rollouts, so rollout row c·3 + j is
 rollout j of candidate c; P = 2 groups are trained; T = 3 steps (max_turns = 2). Turn counts
@@ -7,7 +7,10 @@ differ per rollout. Every expected array below is written out by hand.
 import numpy as np
 import pytest
 
-from gigrl import rl_batch
+from gigrl.advantages import inputs as adv_inputs
+from gigrl.rollout import reward as reward_lib
+from gigrl.training import metrics as metrics_lib
+from gigrl.update import batch as batch_lib
 from gigrl.rollout import trajectory as traj_lib
 
 G, P, T = 3, 2, 3
@@ -47,43 +50,43 @@ def test_batch_layout_is_what_the_cases_assume():
 
 
 def test_train_rows_accepted_first_in_pool_order():
-  rows, valid = rl_batch.train_rows(CANDS, accepted=[5, 7], num_prompts=P, group_size=G)
+  rows, valid = batch_lib.train_rows(CANDS, accepted=[5, 7], num_prompts=P, group_size=G)
   np.testing.assert_array_equal(rows, [[6, 7, 8], [0, 1, 2]])
   np.testing.assert_array_equal(valid, [True, True])
 
 
 def test_train_rows_pads_with_unused_candidates_marked_invalid():
-  rows, valid = rl_batch.train_rows(CANDS, accepted=[2], num_prompts=P, group_size=G)
+  rows, valid = batch_lib.train_rows(CANDS, accepted=[2], num_prompts=P, group_size=G)
   np.testing.assert_array_equal(rows, [[3, 4, 5], [0, 1, 2]])
   np.testing.assert_array_equal(valid, [True, False])
   # more accepted than P: the first P are trained
-  rows, valid = rl_batch.train_rows(CANDS, accepted=[2, 7, 5], num_prompts=P, group_size=G)
+  rows, valid = batch_lib.train_rows(CANDS, accepted=[2, 7, 5], num_prompts=P, group_size=G)
   np.testing.assert_array_equal(rows, [[3, 4, 5], [0, 1, 2]])
   np.testing.assert_array_equal(valid, [True, True])
 
 
 def test_train_rows_fewer_candidates_than_prompts():
-  rows, valid = rl_batch.train_rows([4], accepted=[], num_prompts=P, group_size=G)
+  rows, valid = batch_lib.train_rows([4], accepted=[], num_prompts=P, group_size=G)
   np.testing.assert_array_equal(rows, [[0, 1, 2], [0, 1, 2]])
   np.testing.assert_array_equal(valid, [False, False])
 
 
 def test_train_rows_rejects_an_accepted_id_that_was_not_rolled_out():
   with pytest.raises(ValueError, match="accepted query 9"):
-    rl_batch.train_rows(CANDS, accepted=[9], num_prompts=P, group_size=G)
+    batch_lib.train_rows(CANDS, accepted=[9], num_prompts=P, group_size=G)
 
 
 def test_rollout_rewards_score_the_generated_answer():
   b = _batch()
   # every row but row 4 answers "a" in its last turn (row 7 after an invalid turn)
-  got = rl_batch.rollout_rewards(b, [["a"], ["b"], ["a"]], G)
+  got = reward_lib.rollout_rewards(b, [["a"], ["b"], ["a"]], G)
   np.testing.assert_array_equal(got, [[1, 1, 1], [0, 0, 0], [1, 1, 1]])
 
 
 def test_advantage_inputs_by_hand():
   b = _batch()
   rows, valid = np.array([[6, 7, 8], [0, 1, 2]]), np.array([True, True])
-  x = rl_batch.advantage_inputs(b, REWARDS, rows, valid, T, anchor_grouping="exact")
+  x = adv_inputs.advantage_inputs(b, REWARDS, rows, valid, T, anchor_grouping="exact")
   np.testing.assert_array_equal(x.rewards, [[1, 1, 0], [1, 0, 0]])
   np.testing.assert_array_equal(x.valid, [[1, 1, 1], [1, 1, 1]])
   np.testing.assert_array_equal(x.strata, [[2, 2, 1], [0, 1, 2]])
@@ -105,7 +108,7 @@ def test_advantage_inputs_by_hand():
 
 def test_advantage_inputs_invalid_group_has_no_valid_step():
   b = _batch()
-  x = rl_batch.advantage_inputs(b, REWARDS, np.array([[3, 4, 5], [0, 1, 2]]),
+  x = adv_inputs.advantage_inputs(b, REWARDS, np.array([[3, 4, 5], [0, 1, 2]]),
                                 np.array([True, False]), T, anchor_grouping=None)
   np.testing.assert_array_equal(x.rewards, [[0, 1, 0], [1, 0, 0]])
   np.testing.assert_array_equal(x.valid, [[1, 1, 1], [0, 0, 0]])
@@ -121,7 +124,7 @@ def test_token_advantages_gather_by_step_id():
                   [3.0, 4.0, 5.0]], np.float32)
   step_ids = np.array([[-1, -1, 0, -1, 1, -1, 2, -1],
                        [-1, 0, 0, 1, -1, -1, -1, -1]])
-  got = rl_batch.token_advantages(adv, step_ids)
+  got = batch_lib.token_advantages(adv, step_ids)
   np.testing.assert_array_equal(got, [[0, 0, 0.5, 0, -1.0, 0, 2.0, 0],
                                       [0, 3.0, 3.0, 4.0, 0, 0, 0, 0]])
 
@@ -130,7 +133,7 @@ def test_train_batch_rows_mask_and_advantages():
   b = _batch()
   rows, valid = np.array([[6, 7, 8], [0, 1, 2]]), np.array([True, False])
   adv = np.arange(P * G * T, dtype=np.float32).reshape(P, G, T)  # row k step t -> 3k + t
-  tokens, mask, tok_adv = rl_batch.train_batch(b, rows, valid, adv)
+  tokens, mask, tok_adv = batch_lib.train_batch(b, rows, valid, adv)
   assert tokens.shape == mask.shape == tok_adv.shape == (6, 8)   # bucket(7, 8) = 8
   np.testing.assert_array_equal(tokens[0], b.tokens[6])
   np.testing.assert_array_equal(mask[:3], b.loss_mask[[6, 7, 8]])
@@ -142,22 +145,22 @@ def test_train_batch_rows_mask_and_advantages():
 
 
 def test_bucket_and_sft_indices():
-  assert rl_batch.bucket(1, 1000) == 64 and rl_batch.bucket(64, 1000) == 64
-  assert rl_batch.bucket(65, 1000) == 128 and rl_batch.bucket(65, 100) == 100
+  assert batch_lib.bucket(1, 1000) == 64 and batch_lib.bucket(64, 1000) == 64
+  assert batch_lib.bucket(65, 1000) == 128 and batch_lib.bucket(65, 100) == 100
   # 10 demos, 4 per step -> 2 steps per epoch; step 3 starts epoch 1's permutation
   perm0 = np.random.default_rng([0, 0]).permutation(10)
   perm1 = np.random.default_rng([0, 1]).permutation(10)
-  np.testing.assert_array_equal(rl_batch.sft_indices(10, 4, 0, 1), perm0[:4])
-  np.testing.assert_array_equal(rl_batch.sft_indices(10, 4, 0, 2), perm0[4:8])
-  np.testing.assert_array_equal(rl_batch.sft_indices(10, 4, 0, 3), perm1[:4])
+  np.testing.assert_array_equal(batch_lib.sft_indices(10, 4, 0, 1), perm0[:4])
+  np.testing.assert_array_equal(batch_lib.sft_indices(10, 4, 0, 2), perm0[4:8])
+  np.testing.assert_array_equal(batch_lib.sft_indices(10, 4, 0, 3), perm1[:4])
   # fewer demos than a batch: the permutation wraps around
-  np.testing.assert_array_equal(rl_batch.sft_indices(3, 4, 1, 1),
+  np.testing.assert_array_equal(batch_lib.sft_indices(3, 4, 1, 1),
                                 np.resize(np.random.default_rng([1, 0]).permutation(3), 4))
 
 
 def test_rollout_metrics_cover_all_candidates():
   b = _batch()
-  m = rl_batch.rollout_metrics(b, REWARDS)
+  m = metrics_lib.rollout_metrics(b, REWARDS)
   assert m["reward_mean"] == pytest.approx(4 / 9)
   assert m["search_calls_mean"] == pytest.approx(9 / 9)
   assert m["turns_mean"] == pytest.approx(18 / 9)

@@ -18,7 +18,7 @@ from gigrl.rollout import demos
 from gigrl.rollout import host_loop
 from gigrl.rollout import protocol
 from gigrl.rollout import trajectory as traj_lib
-from gigrl import tags
+from gigrl.data import tags
 from gigrl import testing
 from gigrl.rollout import callback
 from gigrl.rollout import engine as engine_lib

@@ -10,7 +10,7 @@ no training question names) and on the RL's training questions.
 RL from the warm start is run twice: as the pipeline computes it, and with the token advantages
 negated. On the training-question batch the first must end above the second. A sign bug anywhere from the
 estimator to the loss swaps the two runs and fails the test (shown by negating
-``rl_batch.token_advantages`` for the whole test); a loss mask that misses the generated
+``batch_lib.token_advantages`` for the whole test); a loss mask that misses the generated
 tokens would make the two runs equal and fail it too (argued, not run). Why a comparison and not "RL raises it": at
 this size any update lowers the freshly fitted SFT log-probs (a second-order loss as large as
 the first-order gain after Adam's first steps). Why not the held-out batch: its two runs do
@@ -30,11 +30,11 @@ import numpy as np
 import pytest
 
 from gigrl import config as config_lib
-from gigrl import evaluate
-from gigrl import metrics as metrics_lib
-from gigrl import rl_batch
-from gigrl import trainer as trainer_lib
-from gigrl import update as update_lib
+from gigrl.training import evaluate
+from gigrl.training import metrics as metrics_lib
+from gigrl.update import batch as batch_lib
+from gigrl.training import trainer as trainer_lib
+from gigrl.update import step as update_lib
 from gigrl.data import qa
 from gigrl.rollout import demos as demos_lib
 from gigrl.rollout import trajectory as traj_lib
@@ -110,17 +110,17 @@ def warm_start(tmp_path_factory):
 
 def run_rl(warm_start, workdir, *, flip: bool = False) -> tuple[dict[str, float], list[float]]:
   """RL from a copy of the warm-start: (log-prob after RL, reward_mean per step). ``flip``
-  negates the token advantages (``rl_batch.token_advantages``) for this run only."""
+  negates the token advantages (``batch_lib.token_advantages``) for this run only."""
   sft_dir, batches, _ = warm_start
   shutil.copytree(sft_dir, workdir)
-  real = rl_batch.token_advantages
+  real = batch_lib.token_advantages
   if flip:
-    rl_batch.token_advantages = lambda a, s: -real(a, s)
+    batch_lib.token_advantages = lambda a, s: -real(a, s)
   try:
     rl = trainer_lib.Trainer(_config(RL_STEPS), workdir)     # resumes at the end of SFT
     rl.run()
   finally:
-    rl_batch.token_advantages = real
+    batch_lib.token_advantages = real
   rewards = [r["reward_mean"] for r in metrics_lib.read_metrics(workdir / "metrics.jsonl")
              if r.get("phase") == "rl"]
   return {k: answer_logprob(rl, *b) for k, b in batches.items()}, rewards

@@ -8,7 +8,7 @@ import runpy
 
 import pytest
 
-from gigrl import evaluate
+from gigrl.training import evaluate
 from gigrl import testing
 from gigrl.config_utils import ConfigError
 from gigrl.data import countries
@@ -112,7 +112,7 @@ def test_recipe_end_to_end_on_a_tiny_gguf(tmp_path):
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   env.pop("XLA_FLAGS", None)     # one device
   proc = subprocess.run(
-      [sys.executable, "-m", "gigrl.train", "--config", COUNTRIES + ":smollm2-135m-short",
+      [sys.executable, "-m", "gigrl.cli.train", "--config", COUNTRIES + ":smollm2-135m-short",
        "--workdir", str(workdir), f"--config.model.hf_path={ckpt}",
        f"--config.data.tokenizer={ckpt}", "--config.train.sft_steps=2",
        "--config.train.sft_batch_size=2", "--config.train.num_steps=1",

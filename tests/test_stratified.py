@@ -115,7 +115,7 @@ if __name__ == "__main__":
 
 def test_stratum_key_counts_a_final_turn_search_only_when_asked():
   """Search-R1 counts a <search> in the last turn (no observation follows) as a search."""
-  from gigrl import rl_batch
+  from gigrl.advantages import inputs as adv_inputs
   from gigrl.rollout import trajectory as traj_lib
   max_turns = 1
   turns = [["<search> a </search>", "<search> b </search>"],    # final-turn search
@@ -134,6 +134,6 @@ def test_stratum_key_counts_a_final_turn_search_only_when_asked():
     rows.append(tb)
   batch = traj_lib.collate(rows, 8, 0)
   idx = np.arange(4).reshape(2, 2)
-  np.testing.assert_array_equal(rl_batch.stratum_keys(batch, idx, max_turns), [[1, 1], [1, 0]])
+  np.testing.assert_array_equal(adv_inputs.stratum_keys(batch, idx, max_turns), [[1, 1], [1, 0]])
   np.testing.assert_array_equal(
-      rl_batch.stratum_keys(batch, idx, max_turns, count_final_search=True), [[2, 1], [1, 0]])
+      adv_inputs.stratum_keys(batch, idx, max_turns, count_final_search=True), [[2, 1], [1, 0]])

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from gigrl import sweep
+from gigrl.cli import sweep as sweep_cli
+from gigrl.training import sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,12 +69,12 @@ def test_summary_table_and_plot(tmp_path):
 
 def test_bad_command_line_exits_2(tmp_path, capsys):
   cfg = os.path.join(ROOT, "configs/smoke.py")
-  assert sweep.main(["--config", "nope.py", "--workdir", str(tmp_path), "--setting",
+  assert sweep_cli.main(["--config", "nope.py", "--workdir", str(tmp_path), "--setting",
                      "a:x=1"]) == 2
   assert "--config nope.py: no such file" in capsys.readouterr().err
-  assert sweep.main(["--config", cfg, "--workdir", str(tmp_path), "--setting", "a"]) == 2
+  assert sweep_cli.main(["--config", cfg, "--workdir", str(tmp_path), "--setting", "a"]) == 2
   assert "--setting 'a'" in capsys.readouterr().err
-  assert sweep.main(["--config", cfg, "--workdir", str(tmp_path), "--setting", "a:x=1",
+  assert sweep_cli.main(["--config", cfg, "--workdir", str(tmp_path), "--setting", "a:x=1",
                      "--seeds", "1,x"]) == 2
 
 
@@ -94,7 +95,7 @@ def test_tiny_grid_with_warm_start_runs_reports_and_resumes(tmp_path, monkeypatc
           "--setting", "drgrpo:advantage.outcome=drgrpo"]
   for o in TINY:
     argv += ["--set", o]
-  assert sweep.main(argv) == 0
+  assert sweep_cli.main(argv) == 0
   out = json.load(open(os.path.join(wd, "sweep.json")))
   for name in ("grpo", "drgrpo"):
     s = out["settings"][name]
@@ -116,7 +117,7 @@ def test_tiny_grid_with_warm_start_runs_reports_and_resumes(tmp_path, monkeypatc
   shutil.rmtree(os.path.join(run, "checkpoints", "4"))
   before = open(os.path.join(wd, "grpo", "seed_0", "train.log")).read()
   metrics_before = open(os.path.join(run, "metrics.jsonl")).read()
-  assert sweep.main(argv) == 0
+  assert sweep_cli.main(argv) == 0
   assert open(os.path.join(wd, "grpo", "seed_0", "train.log")).read() == before  # not rerun
   log = open(os.path.join(run, "train.log")).read()
   assert log.count("$ ") == 2 and log.count("initialised from") == 2   # no checkpoint left

@@ -2,7 +2,7 @@
 import pytest
 
 from gigrl.data import tokenizer as tok_lib
-from gigrl import tags
+from gigrl.data import tags
 from gigrl.rollout import protocol
 
 
@@ -42,7 +42,7 @@ def test_retrain_small(tmp_path):
 
 
 def test_data_imports_nothing_from_rollout():
-  """gigrl.data is below gigrl.rollout: the tags come from the leaf module gigrl.tags."""
+  """gigrl.data is below gigrl.rollout: the tags come from the leaf module gigrl.data.tags."""
   import subprocess
   import sys
   code = ("import sys, gigrl.data.tokenizer, gigrl.data.hf_tokenizer, gigrl.data.qa, "

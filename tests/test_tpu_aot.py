@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from gigrl import compile as compile_lib
+from gigrl.training import aot as compile_lib
 from gigrl import config as config_lib
 
 pytestmark = pytest.mark.slow   # TPU compiles: ~1-2 min on 2 busy cores
@@ -74,7 +74,7 @@ def test_cli_exits_1_naming_the_program_that_does_not_fit():
   """Qwen2.5-7B's f32 weights replicated for decode (model.rollout_sharding=replicated)
   need 30 GB per chip: more than a v5e's 16 GiB."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  cmd = [sys.executable, "-m", "gigrl.compile", "--config",
+  cmd = [sys.executable, "-m", "gigrl.cli.compile", "--config",
          os.path.join(os.path.dirname(__file__), "..", "configs", "smoke.py"),
          "--topology", "v5e-4", "--programs", "decode",
          "--config.model.preset=qwen2.5-7b", "--config.model.rollout_sharding=replicated"]

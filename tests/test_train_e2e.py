@@ -23,7 +23,7 @@ def _train(workdir, *extra):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)     # one device is enough here and compiles faster
   proc = subprocess.run(
-      [sys.executable, "-m", "gigrl.train", "--config", os.path.join(ROOT, "configs/smoke.py"),
+      [sys.executable, "-m", "gigrl.cli.train", "--config", os.path.join(ROOT, "configs/smoke.py"),
        "--workdir", str(workdir), *TINY, *extra],
       capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
   assert proc.returncode == 0, proc.stderr[-4000:]
@@ -84,7 +84,7 @@ def test_nonfinite_updates_are_skipped_counted_and_stop_the_run(tmp_path):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   proc = subprocess.run(
-      [sys.executable, "-m", "gigrl.train", "--config", os.path.join(ROOT, "configs/smoke.py"),
+      [sys.executable, "-m", "gigrl.cli.train", "--config", os.path.join(ROOT, "configs/smoke.py"),
        "--workdir", str(tmp_path), *TINY, "--config.train.sft_steps=6",
        "--config.train.num_steps=0", "--config.train.sft_learning_rate=1e30",
        "--config.train.max_consecutive_nonfinite=2", "--config.train.eval_questions=0"],

@@ -1,8 +1,8 @@
 """Pinned one-step regressions of the SFT and RL train steps (nanodo ``train_test.py`` style).
 
 A tiny policy (fixed seed) on a one-device mesh takes one step of each kind, built exactly as the
-trainer builds them (:func:`gigrl.build.build_steps`, so the RL step runs
-:func:`gigrl.loss.ppo_loss`); its metrics and a checksum of the updated params must equal the
+trainer builds them (:func:`gigrl.training.build.build_steps`, so the RL step runs
+:func:`gigrl.update.loss.ppo_loss`); its metrics and a checksum of the updated params must equal the
 stored values. A change in the loss, the masking, the log-probs, the optimizer or the model
 numerics moves them. If a change is intended, rerun with ``GIGRL_PRINT_PINNED=1`` and paste
 the printed dicts after checking that the change explains them.
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gigrl import build
+from gigrl.training import build
 from gigrl import config as config_lib
 from gigrl.models import config as mcfg
 from gigrl.models import sharding as shd

@@ -389,7 +389,7 @@ def train_tokenizer(corpus: Sequence[dict], questions: Sequence[dict], out_path:
   """
   import io  # pylint: disable=import-outside-toplevel
   import sentencepiece as spm  # pylint: disable=import-outside-toplevel
-  from gigrl import tags  # pylint: disable=import-outside-toplevel
+  from gigrl.data import tags  # pylint: disable=import-outside-toplevel
   fixed = [tags.INSTRUCTION, tags.INVALID_ACTION_MSG,
            "<think> I need to find more information. </think>\n<search> x </search>",
            "<think> The documents answer the question. </think>\n<answer> x </answer>",

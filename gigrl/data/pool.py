@@ -222,3 +222,29 @@ class QueryPool:
     self.seen_zero_variance = np.asarray(state["seen_zero_variance"], bool)
     self._rng = np.random.default_rng()
     self._rng.bit_generator.state = copy.deepcopy(state["rng"])
+
+
+def sample_prompts(pool: QueryPool, questions: list, log=None) -> tuple[np.ndarray, list, list]:
+  """One RL step's prompts: the pool's candidates and their questions, padded to a fixed
+  width.
+
+  When fewer queries are active than a step needs, every query is re-activated first (a new
+  pass over the data).
+
+  Args:
+    pool: the run's query pool over ``questions``.
+    questions: the questions RL samples (one per pool id).
+    log: ``log(message)`` for the re-activation notice.
+  Returns:
+    (candidate pool ids i64[C], their questions (C), the questions padded to
+    ``pool.num_candidates`` by repeating the last: the jitted rollout's fixed k·P groups, whose
+    filler groups are dropped before the pool update).
+  """
+  if int((pool.weights > 0).sum()) < pool.num_candidates:
+    if log is not None:
+      log(f"query pool has fewer than {pool.num_candidates} active queries; re-activating "
+          f"all {pool.num_queries}")
+    pool.weights[:] = 1.0
+  cands = pool.sample()
+  picked = [questions[int(i)] for i in cands]
+  return cands, picked, picked + [picked[-1]] * (pool.num_candidates - len(picked))

@@ -1,6 +1,6 @@
 """Tokenizers: a sentencepiece model trained on the bundled corpus, and the common interface.
 
-In the bundled model the Search-R1 tags (:data:`gigrl.tags.TAGS`) are single pieces
+In the bundled model the Search-R1 tags (:data:`gigrl.data.tags.TAGS`) are single pieces
 (sentencepiece ``user_defined_symbols``). Nothing depends on that: the rollout stops on a tag's
 token sequences, whatever their length (``gigrl.rollout.turns.stop_sequences``), so HF
 tokenizers, in which ``</search>`` is several tokens, are used as they ship.
@@ -19,7 +19,7 @@ from typing import Iterator, Protocol, Sequence
 
 import sentencepiece as spm
 
-from gigrl import tags
+from gigrl.data import tags
 from gigrl.data import qa
 
 TAGS = tags.TAGS

@@ -21,7 +21,7 @@ no top-k/top-p truncation): log softmax(model logits)[token]. This is the
 log pi_old(token) RL losses need; the sampling distribution itself may be tempered /
 truncated. (With temperature != 1 the sampled tokens are off-policy w.r.t. these
 log-probs; the RL update therefore does not use them: it recomputes log-probs of the
-tempered distribution, `gigrl.update.masked_logprobs(temperature=rollout.temperature)`.)
+tempered distribution, `gigrl.update.step.masked_logprobs(temperature=rollout.temperature)`.)
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from gigrl import tags
+from gigrl.data import tags
 from gigrl.data.qa import Question, normalize_answer
 from gigrl.rollout import trajectory as traj_lib
 from gigrl.rollout import turns

@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-from gigrl.tags import INFO_END, INFO_START, INSTRUCTION
-from gigrl.tags import INVALID_ACTION_MSG  # noqa: F401  (re-exported: the protocol's message)
+from gigrl.data.tags import INFO_END, INFO_START, INSTRUCTION
+from gigrl.data.tags import INVALID_ACTION_MSG  # noqa: F401  (re-exported: the protocol's message)
 
 _ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from gigrl import tags
+from gigrl.data import tags
 from gigrl.config_utils import ConfigError
 from gigrl.rollout import protocol
 from gigrl.rollout.trajectory import (TrajectoryBuilder, invalid_observation_ids,

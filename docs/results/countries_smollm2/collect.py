@@ -20,7 +20,7 @@ import json
 import math
 import os
 
-from gigrl import sweep
+from gigrl.training import sweep
 
 HOPS = (1, 2)
 

@@ -37,7 +37,7 @@ gigrl-sweep --config $CFG --workdir "$RUNS/rl" --seeds "$SEEDS" \
 if [[ ! -f $RUNS/passk/results.json ]]; then
   python - "$RUNS/heldout_2hop.jsonl" <<'EOF'
 import json, sys
-from gigrl import evaluate
+from gigrl.training import evaluate
 from gigrl.data import countries, qa
 import os
 rows = [json.loads(l) for l in open(os.path.join(countries.default_dir(), countries.QUESTIONS_FILE))]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #29 "Measured": LoRA (rank 16, all seven projections) against full fine-tuning on the
 # SmolLM2-135M recipe, the same 20 RL steps from the same SFT warm-start (its params become the
-# frozen base: train.init_from of a full run, gigrl/trainer.py _load_lora_base). The full runs are
+# frozen base: train.init_from of a full run, gigrl/training/trainer.py _load_lora_base). The full runs are
 # docs/results/countries_smollm2's; this adds the LoRA ones. LoRA usually wants a larger learning
 # rate than full fine-tuning (peft / TRL examples use 1e-4 to 2e-4); 1e-4 here.
 #

@@ -6,6 +6,7 @@ jitted with explicit shardings and the params/optimizer state donated.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import jax
@@ -15,7 +16,8 @@ import optax
 from flax import nnx
 
 from gigrl import distributed
-from gigrl import loss as loss_lib
+from gigrl.update import batch as batch_lib
+from gigrl.update import loss as loss_lib
 from gigrl.models import logprobs as logprobs_lib
 from gigrl.models import lora as lora_lib
 
@@ -183,7 +185,7 @@ def rl_loss(params, graphdef, ref_params, tokens: jax.Array, loss_mask: jax.Arra
             token_advantages: jax.Array, old_logprobs: jax.Array | None = None,
             denominator: jax.Array | None = None, *, max_tokens: int, chunk_size: int,
             loss_options: dict[str, Any], temperature: float = 1.0):
-  """The RL actor loss: :func:`gigrl.loss.ppo_loss` on the policy's own tokens.
+  """The RL actor loss: :func:`gigrl.update.loss.ppo_loss` on the policy's own tokens.
 
   With ``old_logprobs=None`` (one update per RL step, on fresh rollouts) the old log-probs
   equal the current ones (``stop_gradient``, verl's ``on_policy`` case): the ratio is 1 in
@@ -203,13 +205,13 @@ def rl_loss(params, graphdef, ref_params, tokens: jax.Array, loss_mask: jax.Arra
     tokens: i32[B, S]; loss_mask, token_advantages: f32[B, S] aligned with ``tokens``.
     old_logprobs: optional f32[B, K] rollout-policy log-probs in the compacted layout.
     denominator: optional f32[] aggregation divisor of the whole mini-batch (gradient
-      accumulation, :func:`gigrl.loss.agg_denominator`).
+      accumulation, :func:`gigrl.update.loss.agg_denominator`).
     max_tokens: static bound K on the generated tokens of a row.
     chunk_size: vocabulary-projection chunk (``model.logprob_chunk_size``).
     temperature: the rollout's sampling temperature; policy, old and reference log-probs and
       the entropy are all of the tempered distribution (:func:`masked_logprobs`).
-    loss_options: :func:`gigrl.loss.ppo_loss` keyword options (the ``loss`` config section,
-      :func:`gigrl.loss.kwargs_from_config`).
+    loss_options: :func:`gigrl.update.loss.ppo_loss` keyword options (the ``loss`` config section,
+      :func:`gigrl.update.loss.kwargs_from_config`).
   Returns:
     (loss f32[], metrics dict: loss, pg_loss, kl, entropy, pg_clipfrac, ppo_kl,
     pg_clipfrac_lower).
@@ -341,7 +343,7 @@ def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: 
   adapters are differentiated and updated (:func:`make_step`).
 
   Each micro-batch's loss is aggregated with the whole mini-batch's divisor
-  (:func:`gigrl.loss.agg_denominator`, verl's ``batch_num_tokens`` / ``global_batch_size``), so
+  (:func:`gigrl.update.loss.agg_denominator`, verl's ``batch_num_tokens`` / ``global_batch_size``), so
   the summed gradient equals the one of the whole mini-batch in one piece (to float rounding).
   ``pg_clipfrac``, ``ppo_kl`` and ``pg_clipfrac_lower`` are token-weighted over micro-batches.
 
@@ -428,7 +430,7 @@ def old_logprobs(logprob_step: Callable, params, tokens: np.ndarray, loss_mask: 
   not change the values.
 
   Args:
-    logprob_step: ``(params, tokens, loss_mask) -> f32[rows, K]`` (:class:`gigrl.build.Steps`).
+    logprob_step: ``(params, tokens, loss_mask) -> f32[rows, K]`` (:class:`gigrl.training.build.Steps`).
     tokens: i32[B, W]; loss_mask: f32[B, W] host rows.
     put: host rows -> device array on the training mesh.
     chunk_rows: rows per call (the PPO micro-batch); 0 or >= B = one call.
@@ -460,7 +462,7 @@ def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
 
   Args:
     steps: an object with ``rl_step``, ``ppo_step(micro_batches)`` and ``logprob_step``
-      (:class:`gigrl.build.Steps`).
+      (:class:`gigrl.training.build.Steps`).
     tokens: i32[B, W]; loss_mask, token_advantages: f32[B, W] host rows.
     put: host rows -> device array on the training mesh (``build.put_rows``).
     mini_batch_rows, micro_batch_rows: rows per update and per gradient micro-batch.
@@ -499,3 +501,39 @@ def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
       out[k] = history[-1][k]
   out["train/updates"] = len(history)
   return params, opt_state, out
+
+
+def host_metrics(m: dict[str, Any]) -> dict[str, Any]:
+  """A train step's metrics as floats, the skip counters under their record names
+  (``train/nonfinite_updates``, and ``_nonfinite_consecutive``, which the loop pops)."""
+  m = {k: float(v) for k, v in jax.device_get(m).items()}
+  out = {k: v for k, v in m.items() if not k.startswith("nonfinite_")}
+  out["train/nonfinite_updates"] = m.get("nonfinite_updates", 0.0)
+  out["_nonfinite_consecutive"] = int(m.get("nonfinite_consecutive", 0))
+  return out
+
+
+def rl_update(steps: Any, params, opt_state, ref_params, batch, rows: np.ndarray,
+              valid_groups: np.ndarray, advantages: np.ndarray, *, put: Callable,
+              mini_batch_rows: int, micro_batch_rows: int, epochs: int, seed: int, step: int,
+              shuffle: bool = True):
+  """One RL step's update on its trained groups: their token batch
+  (:func:`gigrl.update.batch.train_batch`), then :func:`ppo_update`.
+
+  Args:
+    batch: the rollout batch; rows i32[P, G], valid_groups bool[P] (the trained groups);
+      advantages: f32[P, G, T]. The rest as :func:`ppo_update`.
+  Returns:
+    (params, opt_state, metrics (:func:`host_metrics`), seconds the update took). With no
+    valid group the params are unchanged and the loss, KL and policy-gradient loss are 0.
+  """
+  tokens, mask, tok_adv = batch_lib.train_batch(batch, rows, valid_groups, advantages)
+  t0 = time.perf_counter()
+  if not np.asarray(valid_groups).any():
+    return params, opt_state, {"loss": 0.0, "kl": 0.0, "pg_loss": 0.0}, time.perf_counter() - t0
+  params, opt_state, m = ppo_update(
+      steps, params, opt_state, ref_params, tokens, mask, tok_adv, put=put,
+      mini_batch_rows=mini_batch_rows, epochs=epochs, micro_batch_rows=micro_batch_rows,
+      seed=seed, step=step, shuffle=shuffle)
+  m = host_metrics(m)
+  return params, opt_state, m, time.perf_counter() - t0

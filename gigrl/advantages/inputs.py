@@ -1,17 +1,11 @@
-"""The RL step's host-side glue: rollout batch -> trained rows -> advantages -> token batch.
+"""From a rollout batch to the estimators' padded ``[P, G, T]`` inputs: the one bridge between
+the rollout stage and the advantage estimators (which import nothing of the rollout).
 
-Pure functions of numpy arrays (no devices, no globals), so each is tested on small hand-written
-cases (tests/test_rl_batch.py). One RL step uses them in this order:
+Pure functions of numpy arrays, tested on hand-written cases (tests/test_rl_batch.py,
+tests/test_local_anchors.py). On one host, in an RL step::
 
-  rewards = rollout_rewards(batch, questions, G)                 f32[C, G]
-  rows, valid = train_rows(candidates, accepted, P, G)           i32[P, G], bool[P]
   inputs = advantage_inputs(batch, rewards, rows, valid, T, ..)  AdvantageInputs ([P, G, T])
-  adv, state, m = advantages.compute_advantages(cfg, inputs, state)
-  tokens, mask, tok_adv = train_batch(batch, rows, valid, adv, width)
-
-C = candidate groups rolled out (k·P with query recycling), P = trained groups
-(``data.prompts_per_step``), G = rollouts per group, T = max steps (``rollout.max_turns + 1``),
-S = tokens per row. Rollout row ``c * G + j`` is rollout j of candidate c.
+  adv, state, m = advantage_fn(inputs, state)                     (gigrl.advantages.compose)
 
 Multi-host, each host reads the strings of its own rows only (whole groups) and the hosts
 exchange compact numeric arrays:
@@ -23,35 +17,21 @@ exchange compact numeric arrays:
   inputs = advantage_inputs(batch, rewards, rows, valid, T, .., row_arrays=ra, anchor_ids=ids)
 
 On one host ``first_row = 0`` and the local batch is the whole batch: the same arrays.
+C = candidate groups rolled out, P = trained groups, G = rollouts per group, T = max steps
+(``rollout.max_turns + 1``); ``rows`` come from :func:`gigrl.update.batch.train_rows`.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
+import jax
 import numpy as np
 
-from gigrl import reward as reward_lib
 from gigrl.advantages import anchors as anchors_lib
 from gigrl.advantages import compose as adv_compose
 from gigrl.rollout import protocol
+from gigrl.rollout import reward as reward_lib
 from gigrl.rollout import trajectory as traj_lib
-
-
-def rollout_rewards(batch: traj_lib.TrajectoryBatch, golden_answers: Sequence[Sequence[str]],
-                    group_size: int) -> np.ndarray:
-  """Exact-match reward of each rollout's last generated ``<answer>``.
-
-  Args:
-    batch: the rollout batch; its first ``len(golden_answers) * group_size`` rows are scored
-      (rows beyond are filler groups).
-    golden_answers: per candidate group, the question's gold answers.
-    group_size: G.
-  Returns:
-    f32[C, G] rewards in {0, 1}.
-  """
-  c, g = len(golden_answers), group_size
-  return np.array([reward_lib.em_reward(batch.generated_text[r], golden_answers[r // g])
-                   for r in range(c * g)], np.float32).reshape(c, g)
 
 
 class RowArrays(NamedTuple):
@@ -115,7 +95,7 @@ def group_anchor_ids(batch: traj_lib.TrajectoryBatch, rows: np.ndarray, max_step
   Args:
     batch: a host's rollout rows, global rows ``[first_row, first_row + len)`` (whole groups),
       or the whole batch.
-    rows: i32[P, G] global rollout rows of the trained groups (:func:`train_rows`).
+    rows: i32[P, G] global rollout rows of the trained groups (:func:`gigrl.update.batch.train_rows`).
     max_steps: T.
     anchor_grouping: ``'exact'`` or ``'similarity'``.
     similarity_thresh: threshold of ``'similarity'`` grouping.
@@ -145,39 +125,6 @@ def group_anchor_ids(batch: traj_lib.TrajectoryBatch, rows: np.ndarray, max_step
     ids = anchors_lib.exact_anchor_ids(anchors)
   out[held, :, :min(ids.shape[2], t)] = ids[:, :, :t]
   return out
-
-
-def train_rows(candidates: Sequence[int], accepted: Sequence[int], num_prompts: int,
-               group_size: int) -> tuple[np.ndarray, np.ndarray]:
-  """Rollout rows of the P trained groups: accepted candidates first, then unused ones.
-
-  The trained batch always has P groups (a fixed shape for the jitted update); slots beyond the
-  accepted groups are filled with other candidates' rows (or candidate 0's when there are fewer
-  than P candidates) and marked invalid, so their loss mask is zeroed.
-
-  Args:
-    candidates: pool ids of the C rolled-out candidate groups, in rollout order.
-    accepted: pool ids the query pool accepted for training (a subset of ``candidates``); at
-      most the first P are used.
-    num_prompts: P.
-    group_size: G.
-  Returns:
-    (rows i32[P, G] indices into the rollout batch, valid bool[P]).
-  Raises:
-    ValueError: an accepted id is not among the candidates.
-  """
-  p, g = num_prompts, group_size
-  pos = {int(c): i for i, c in enumerate(candidates)}
-  try:
-    acc = [pos[int(a)] for a in accepted][:p]
-  except KeyError as e:
-    raise ValueError(f"accepted query {e.args[0]} is not a candidate of this step") from None
-  taken = set(acc)
-  rest = [i for i in range(len(candidates)) if i not in taken]
-  order = (acc + rest + [0] * p)[:p]
-  valid = np.arange(p) < len(acc)
-  rows = np.asarray(order, np.int32)[:, None] * g + np.arange(g, dtype=np.int32)[None, :]
-  return rows, valid
 
 
 def stratum_keys(batch: traj_lib.TrajectoryBatch, rows: np.ndarray, max_turns: int, *,
@@ -221,8 +168,8 @@ def advantage_inputs(batch: traj_lib.TrajectoryBatch, rewards: np.ndarray, rows:
 
   Args:
     batch: the rollout batch (rows indexed by ``rows``).
-    rewards: f32[C, G] rewards of the candidate groups (:func:`rollout_rewards`).
-    rows, valid_groups: from :func:`train_rows`.
+    rewards: f32[C, G] rewards of the candidate groups (:func:`gigrl.rollout.reward.rollout_rewards`).
+    rows, valid_groups: from :func:`gigrl.update.batch.train_rows`.
     max_steps: T = ``rollout.max_turns + 1``.
     anchor_grouping: ``'exact'`` or ``'similarity'`` anchor-state ids for GiGPO
       (:mod:`gigrl.advantages.anchors`), or None (all ids 0: no step estimator).
@@ -293,84 +240,48 @@ def anchor_group_frac(inputs: adv_compose.AdvantageInputs) -> float:
   return float(len(np.unique(keys)) / max(int(valid.sum()), 1))
 
 
-def token_advantages(advantages: np.ndarray, step_ids: np.ndarray) -> np.ndarray:
-  """Per-token advantages: token s of row b gets ``advantages[b, step_ids[b, s]]``.
+def anchor_grouping(adv_cfg) -> str | None:
+  """The anchor-id grouping the advantage config needs (None without a step estimator)."""
+  return adv_cfg.gigpo_grouping if adv_cfg.step == "gigpo" else None
+
+
+def step_advantages(advantage_fn, adv_cfg, adv_state, batch: traj_lib.TrajectoryBatch,
+                    rewards: np.ndarray, rows: np.ndarray, valid_groups: np.ndarray,
+                    max_steps: int, *, num_candidates: int, row_arrays: RowArrays,
+                    owned=None):
+  """One RL step's advantages of the trained groups: anchor ids (GiGPO), the padded inputs
+  (:func:`advantage_inputs`) and the configured estimator.
 
   Args:
-    advantages: f32[B, T] per-step advantages of each row (``[P, G, T]`` reshaped, B = P·G).
-    step_ids: i32[B, S] turn index of each generated token, -1 on prompt, observations and
-      padding.
+    advantage_fn: ``fn(inputs, state) -> (adv, state, metrics)``
+      (:func:`gigrl.advantages.compute_advantages` with ``adv_cfg``, jitted).
+    adv_cfg: the :class:`gigrl.advantages.AdvantageConfig`; adv_state: the estimator's state.
+    rewards: f32[C, G]; rows, valid_groups: i32[P, G], bool[P] (the trained groups).
+    max_steps: T; num_candidates: groups rolled out per step; row_arrays: the global rows'.
+    owned: ``owned(group_fn, rows)`` computes per-group values on the host that holds each
+      group and gathers them (:meth:`gigrl.rollout.hosts.ProcessShare.owned`); None = this
+      process holds the whole batch.
   Returns:
-    f32[B, S]; 0 where ``step_ids`` is -1.
+    (advantages f32[P, G, T], the new state, metrics: the estimator's, its zero-variance
+    share as ``adv/zero_variance_frac``, and GiGPO's ``gigpo/anchor_group_frac``).
   """
-  adv = np.asarray(advantages, np.float32)
-  step_ids = np.asarray(step_ids)
-  out = np.take_along_axis(adv, np.maximum(step_ids, 0), axis=1)
-  return np.where(step_ids >= 0, out, 0.0).astype(np.float32)
-
-
-def bucket(width: int, seq_len: int, multiple: int = 64) -> int:
-  """Pads a sequence width up to a multiple of ``multiple``, at most ``seq_len``
-  (fewer distinct shapes, so fewer recompiles of the train step)."""
-  return min(int(seq_len), -(-int(width) // multiple) * multiple)
-
-
-def train_batch(batch: traj_lib.TrajectoryBatch, rows: np.ndarray, valid_groups: np.ndarray,
-                advantages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """The RL update's token batch for the trained rows, cut to a bucketed width.
-
-  Args:
-    batch: the rollout batch.
-    rows, valid_groups: from :func:`train_rows` (i32[P, G], bool[P]).
-    advantages: f32[P, G, T] from the advantage estimator.
-  Returns:
-    (tokens i32[B, W], loss_mask f32[B, W] (zero on invalid groups), token advantages
-    f32[B, W]) with B = P·G and W = :func:`bucket` of the longest trained row.
-  """
-  sel = rows.reshape(-1)
-  g = rows.shape[1]
-  width = bucket(int(batch.lengths[sel].max()), batch.tokens.shape[1])
-  row_valid = np.repeat(np.asarray(valid_groups, np.float32), g)
-  adv = np.asarray(advantages, np.float32).reshape(len(sel), -1)
-  tok_adv = token_advantages(adv, batch.step_ids[sel, :width])
-  mask = batch.loss_mask[sel, :width] * row_valid[:, None]
-  return batch.tokens[sel, :width], mask.astype(np.float32), tok_adv
-
-
-def sft_indices(num_demos: int, batch_size: int, seed: int, step: int) -> np.ndarray:
-  """Demonstration rows of SFT step ``step`` (1-based): a seeded permutation per epoch.
-
-  Args:
-    num_demos: N demonstrations; batch_size: rows per step.
-  Returns:
-    i64[batch_size] indices; epoch e uses ``default_rng([seed, e]).permutation(N)``, cut into
-    ``max(1, N // batch_size)`` batches (a last partial batch wraps around the permutation).
-  """
-  per_epoch = max(1, num_demos // batch_size)
-  epoch, i = divmod(step - 1, per_epoch)
-  perm = np.random.default_rng([seed, epoch]).permutation(num_demos)
-  idx = perm[i * batch_size:(i + 1) * batch_size]
-  if len(idx) < batch_size:
-    idx = np.resize(perm, batch_size)
-  return idx
-
-
-def rollout_metrics(batch: traj_lib.TrajectoryBatch, rewards: np.ndarray,
-                    answered: np.ndarray | None = None) -> dict[str, Any]:
-  """Metrics over every rolled-out candidate group (not only the trained ones).
-
-  Args:
-    batch: the rollout batch; its first C·G rows are the candidates' rollouts.
-    rewards: f32[C, G].
-    answered: bool[R] (:attr:`RowArrays.answered`), instead of parsing ``batch.generated_text``.
-  """
-  n = rewards.size
-  if answered is None:
-    answered = [reward_lib.extract_answer(t) is not None for t in batch.generated_text[:n]]
-  return {
-      "reward_mean": float(rewards.mean()), "em": float(rewards.mean()),
-      "search_calls_mean": float(batch.search_calls[:n].mean()),
-      "turns_mean": float(batch.num_steps[:n].mean()),
-      "answered_frac": float(np.mean(np.asarray(answered[:n], bool))),
-      "zero_variance_frac": float(np.mean([r.min() == r.max() for r in rewards])),
-  }
+  grouping = anchor_grouping(adv_cfg)
+  thresh = adv_cfg.gigpo_similarity_thresh
+  anchor_ids = None
+  if grouping is not None:    # each host groups the anchors of the trained groups it holds
+    def group_fn(b, first):
+      return group_anchor_ids(b, rows, max_steps, anchor_grouping=grouping,
+                              similarity_thresh=thresh, first_row=first)
+    anchor_ids = group_fn(batch, 0) if owned is None else owned(group_fn, rows)
+  inputs = advantage_inputs(
+      batch, rewards, rows, valid_groups, max_steps, anchor_grouping=grouping,
+      similarity_thresh=thresh, num_candidates=num_candidates,
+      count_final_search=adv_cfg.stratified_count_final_search, row_arrays=row_arrays,
+      anchor_ids=anchor_ids)
+  adv, adv_state, metrics = advantage_fn(inputs, adv_state)
+  # the estimator's own zero-variance share covers the trained groups only
+  out = {("adv/" + k if k == "zero_variance_frac" else k): float(v)
+         for k, v in jax.device_get(metrics).items()}
+  if anchor_ids is not None:
+    out["gigpo/anchor_group_frac"] = anchor_group_frac(inputs)
+  return np.asarray(adv), adv_state, out

@@ -14,10 +14,14 @@ from __future__ import annotations
 import io
 import json
 import math
+import time
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 from etils import epath
+
+from gigrl.rollout import reward as reward_lib
+from gigrl.rollout import trajectory as traj_lib
 
 
 def _clean(v: Any) -> Any:
@@ -159,3 +163,82 @@ def plot_metrics(workdir: str | epath.PathLike, keys: Sequence[str] = PLOT_KEYS)
   out = workdir / "metrics.png"
   out.write_bytes(buf.getvalue())
   return str(out)
+
+
+def rollout_metrics(batch: traj_lib.TrajectoryBatch, rewards: np.ndarray,
+                    answered: np.ndarray | None = None) -> dict[str, Any]:
+  """Metrics over every rolled-out candidate group (not only the trained ones).
+
+  Args:
+    batch: the rollout batch; its first C·G rows are the candidates' rollouts.
+    rewards: f32[C, G].
+    answered: bool[R] (:attr:`gigrl.advantages.inputs.RowArrays.answered`), instead of parsing ``batch.generated_text``.
+  """
+  n = rewards.size
+  if answered is None:
+    answered = [reward_lib.extract_answer(t) is not None for t in batch.generated_text[:n]]
+  return {
+      "reward_mean": float(rewards.mean()), "em": float(rewards.mean()),
+      "search_calls_mean": float(batch.search_calls[:n].mean()),
+      "turns_mean": float(batch.num_steps[:n].mean()),
+      "answered_frac": float(np.mean(np.asarray(answered[:n], bool))),
+      "zero_variance_frac": float(np.mean([r.min() == r.max() for r in rewards])),
+  }
+
+
+def write_samples(out: RunOutputs, tokenizer, name: str, step: int, batch, questions,
+                  rewards, *, n: int, g: int) -> None:
+  """Writes the first ``n`` rollouts of ``batch`` (G = ``g`` rows per question) with their
+  questions, gold answers, rewards and search counts to ``samples/<name>``.
+
+  Args:
+    batch: a :class:`gigrl.rollout.trajectory.TrajectoryBatch` (row i answers question i // g).
+    rewards: f32[R] per row.
+  """
+  rows = list(range(min(n, len(batch.lengths), len(questions) * g)))
+  texts = [tokenizer.decode(batch.tokens[i, :batch.lengths[i]][
+      np.argmax(batch.loss_mask[i] > 0):]) for i in rows]
+  out.write_samples(name, step, [questions[i // g].question for i in rows],
+                    [questions[i // g].golden_answers for i in rows],
+                    [float(rewards[i]) for i in rows], texts,
+                    [int(batch.search_calls[i]) for i in rows])
+
+
+def rl_record(step: int, batch, rewards: np.ndarray, answered: np.ndarray, *,
+              update_metrics: dict[str, Any], advantage_metrics: dict[str, float],
+              pool_metrics: dict[str, Any], rollout_engine_metrics: dict[str, Any],
+              search_metrics: dict[str, float], trained_rows: np.ndarray,
+              trained_groups: int, times: dict[str, float]) -> dict[str, Any]:
+  """One RL step's line of ``metrics.jsonl``.
+
+  Args:
+    batch: the rollout batch; rewards: f32[C, G]; answered: bool[R] per rollout row.
+    update_metrics: the update's (``loss``, ``kl``, ...); advantage_metrics: the estimator's
+      (its zero-variance share under ``adv/``, GiGPO's ``gigpo/anchor_group_frac``);
+      pool_metrics, rollout_engine_metrics, search_metrics: the query pool's, the rollout
+      engine's and this step's retriever counters (``search/`` added here).
+    trained_rows: i32[N] rollout rows of the trained groups; trained_groups: their count.
+    times: ``start`` (perf_counter at the step's start), ``rollout_s`` and ``update_s``
+      (seconds).
+  """
+  gen_tokens = rollout_engine_metrics["rollout/generated_tokens"]
+  lm = update_metrics
+  anchor = {k: v for k, v in advantage_metrics.items() if k.startswith("gigpo/")}
+  return {
+      "step": step, "phase": "rl",
+      **rollout_metrics(batch, rewards, answered),
+      "loss": lm.get("loss", 0.0), "kl": lm.get("kl", 0.0),
+      "train/tokens_per_s": (float(batch.lengths[trained_rows].sum()) / times["update_s"]
+                             if trained_groups else 0.0),
+      "rollout/tokens_per_s": gen_tokens / max(times["rollout_s"], 1e-9),
+      "response_tokens_mean": gen_tokens / len(batch.lengths),
+      "trained_groups": int(trained_groups),
+      "step_time_s": time.perf_counter() - times["start"],
+      "time/rollout_s": times["rollout_s"], "time/update_s": times["update_s"],
+      **{k: v for k, v in lm.items() if k not in ("loss", "kl")},
+      **{k: v for k, v in advantage_metrics.items() if k not in anchor},
+      **{k: float(v) for k, v in pool_metrics.items()},
+      **{k: float(v) for k, v in rollout_engine_metrics.items()},
+      **anchor,
+      **{f"search/{k}": v for k, v in search_metrics.items()},
+  }

@@ -23,12 +23,14 @@ import importlib.util
 import os
 import re
 import sys
-import uuid
 
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
+
+from gigrl import config_utils
+from gigrl.config_utils import UserError
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
@@ -47,13 +49,16 @@ SECTIONS = ("data", "model", "rollout", "search", "advantage", "loss", "train", 
 _HELP_FLAGS = ("-h", "-help", "--help", "--helpshort", "-?")
 
 
-class UsageError(Exception):
+class UsageError(UserError):
   """A bad command line (flags, --config file, --workdir)."""
+
+
+check_writable_dir = config_utils.check_writable_dir
 
 
 def usage() -> str:
   """The text of ``gigrl-train --help``: usage, this module's flags, config sections."""
-  # The module that defined --workdir: 'gigrl.train', or the script path under `python -m`.
+  # The module that defined --workdir: 'gigrl.cli.train', or the script path under `python -m`.
   module = next((m for m, fl in FLAGS.flags_by_module_dict().items()
                  if any(f.name == "workdir" for f in fl)), None)
   flag_help = FLAGS.module_help(module) if module else ""
@@ -198,26 +203,6 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 # --------------------------------------------------------------------------- start-up
-def check_writable_dir(path: str, what: str) -> None:
-  """Creates ``path`` if needed and checks a file can be written in it (local paths).
-
-  Raises:
-    UsageError: naming ``what`` (e.g. ``--workdir``), the path and the OS error.
-  """
-  if "://" in path:          # gs://... (pods): created and checked by its writers
-    return
-  if os.path.exists(path) and not os.path.isdir(path):
-    raise UsageError(f"{what} {path}: exists and is not a directory")
-  try:
-    os.makedirs(path, exist_ok=True)
-    probe = os.path.join(path, f".gigrl-write-test-{uuid.uuid4().hex}")
-    with open(probe, "w", encoding="utf-8"):
-      pass
-    os.remove(probe)
-  except OSError as e:
-    raise UsageError(f"{what} {path}: cannot write there ({e.strerror or e})") from None
-
-
 def _cause_of_type(err: BaseException, types: tuple[type, ...]) -> BaseException | None:
   """The first exception of ``types`` in ``err``'s ``__cause__`` / ``__context__`` chain."""
   seen = set()
@@ -242,32 +227,21 @@ def main(argv: list[str]) -> None:
     distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   except ValueError as e:
     fail(str(e))
-  # pylint: disable=g-import-not-at-top
-  from gigrl import config as config_lib
-  from gigrl.config_utils import ConfigError, UserError
-  from gigrl.search.base import SearchError
-  # pylint: enable=g-import-not-at-top
+  from gigrl.search.base import SearchError  # pylint: disable=g-import-not-at-top
   cfg = FLAGS.config
   try:
-    check_writable_dir(FLAGS.workdir, "--workdir")
-    from gigrl.models import fetch  # pylint: disable=g-import-not-at-top
-    fetch.resolve_hub_ids(cfg)               # hub ids -> local snapshots (huggingface_hub)
-    config_lib.validate(cfg)
-    if cfg.data.tfds_dir:
-      check_writable_dir(cfg.data.tfds_dir, "data.tfds_dir")
-    fetch.check_hf_path(cfg.model.hf_path)
-    if cfg.search.backend == "http":         # a server that is down: stop before the build
-      from gigrl import search  # pylint: disable=g-import-not-at-top
-      search.make_retriever(cfg.search)      # health check (the trainer builds its own)
     # pylint: disable=g-import-not-at-top
-    from gigrl import checkpoint as ckpt_lib
-    from gigrl import trainer
+    from gigrl.training import api
+    from gigrl.training import checkpoint as ckpt_lib
+    from gigrl.training import trainer
     # pylint: enable=g-import-not-at-top
     try:
-      trainer.Trainer(cfg, FLAGS.workdir).run()
+      api.train(cfg, FLAGS.workdir)
     except (ckpt_lib.CheckpointError, trainer.NonFiniteError) as e:
       fail(str(e), status=1)                 # the run failed; the message says what to do
     except Exception as e:  # pylint: disable=broad-except
+      if isinstance(e, (UserError, SearchError)):
+        raise
       cause = _cause_of_type(e, (UserError, SearchError))
       if cause is None:
         raise

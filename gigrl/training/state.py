@@ -2,7 +2,7 @@
 
 ``TrainState`` holds every array a resumed run needs (params, optimizer state, reference params,
 advantage-estimator state) and, as static fields, the step counter and the query pool's state
-(JSON, numpy RNG included). :mod:`gigrl.checkpoint` saves the array leaves with orbax and the
+(JSON, numpy RNG included). :mod:`gigrl.training.checkpoint` saves the array leaves with orbax and the
 static fields as JSON; nothing else is needed to continue a run bitwise (docs/architecture.md,
 "Resume equality").
 """
@@ -22,7 +22,7 @@ class TrainState:
   Attributes:
     params: the policy's ``nnx.State`` (training layout).
     opt_state: optax state of the current phase's optimizer (SFT and RL optimizers share one
-      tree structure, :func:`gigrl.update.make_optimizer`).
+      tree structure, :func:`gigrl.update.step.make_optimizer`).
     ref_params: the frozen reference policy (the params at the end of the SFT warm-start). Before
       RL starts it holds the params, so the tree has one structure in both phases.
     adv_state: :class:`gigrl.advantages.AdvantageState` (HA-DW's belief history).

@@ -30,9 +30,9 @@ from jax.sharding import PartitionSpec as P
 
 from gigrl import advantages as adv_lib
 from gigrl import distributed
-from gigrl import loss as loss_lib
+from gigrl.update import loss as loss_lib
 from gigrl import models
-from gigrl import update as update_lib
+from gigrl.update import step as update_lib
 from gigrl.config_utils import ConfigError, get_field
 from gigrl.data import qa
 from gigrl.data import tfds_qa
@@ -108,6 +108,24 @@ def load_data(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike) -> 
   held_out = drop_overlong_prompts(held_out, tokenizer, limit, "held-out")
   check_no_leak(train, held_out, field, d.questions_file or d.train_sources)
   return Data(train=train, eval=held_out, tokenizer=tokenizer)
+
+
+def rl_questions(t, train: list) -> list:
+  """The questions RL samples: all training questions, or (``train.rl_skip_sft_questions``)
+  those after the first ``train.sft_questions``, which the warm-start never demonstrated.
+
+  Raises:
+    ConfigError: naming ``train.rl_skip_sft_questions`` when that leaves no question.
+  """
+  if not t.rl_skip_sft_questions:
+    return train
+  rest = train[int(t.sft_questions):]
+  if not rest:
+    raise ConfigError(
+        "train.rl_skip_sft_questions", True,
+        f"False, or train.sft_questions ({t.sft_questions}) below the {len(train)} training "
+        "questions: no question is left for RL")
+  return rest
 
 
 def drop_overlong_prompts(questions: Sequence[qa.Question], tokenizer, max_prompt_tokens: int,
@@ -304,7 +322,7 @@ class Steps:
     ppo_step: ``(micro_batches, on_policy=False) -> step(params, opt_state, ref_params,
       tokens, loss_mask, token_advantages, old_logprobs)`` (one mini-batch update, gradient
       accumulation; ``on_policy``: the step's only update, ``old_logprobs`` None;
-      :func:`gigrl.update.make_ppo_step`), compiled once per (count, on_policy).
+      :func:`gigrl.update.step.make_ppo_step`), compiled once per (count, on_policy).
     logprob_step: ``(params, tokens, loss_mask) -> old log-probs f32[B, K]``.
   """
   sft_tx: optax.GradientTransformation
@@ -332,8 +350,8 @@ def max_generated_tokens(cfg: ml_collections.ConfigDict) -> int:
 
 
 def build_steps(cfg: ml_collections.ConfigDict, policy: Policy) -> Steps:
-  """The SFT and RL optimizers and jitted steps (RL: :func:`gigrl.update.rl_loss`, i.e.
-  :func:`gigrl.loss.ppo_loss` with the ``loss`` section's options)."""
+  """The SFT and RL optimizers and jitted steps (RL: :func:`gigrl.update.step.rl_loss`, i.e.
+  :func:`gigrl.update.loss.ppo_loss` with the ``loss`` section's options)."""
   sft_tx = update_lib.optimizer_from_config(cfg.train, "sft")
   rl_tx = update_lib.optimizer_from_config(cfg.train, "rl",
                                            num_prompts=int(cfg.data.prompts_per_step))
@@ -380,11 +398,6 @@ def build_advantages(cfg: ml_collections.ConfigDict):
   adv_cfg = adv_lib.AdvantageConfig.from_config(cfg.advantage)
   fn = jax.jit(functools.partial(adv_lib.compute_advantages, adv_cfg))
   return adv_cfg, fn, adv_lib.init_state(adv_cfg)
-
-
-def anchor_grouping(adv_cfg) -> str | None:
-  """The anchor-id grouping the advantage config needs (None without a step estimator)."""
-  return adv_cfg.gigpo_grouping if adv_cfg.step == "gigpo" else None
 
 
 # ---------------------------------------------------------------------------------- engine

@@ -46,7 +46,7 @@ def export(workdir: str, out: str, *, step: int | None = None, peft: bool = Fals
   """
   # pylint: disable=g-import-not-at-top
   from flax import nnx
-  from gigrl import eval_cli
+  from gigrl.cli import eval as eval_cli
   from gigrl.config_utils import UserError
   from gigrl.models import hf
   # pylint: enable=g-import-not-at-top
@@ -82,7 +82,7 @@ def export(workdir: str, out: str, *, step: int | None = None, peft: bool = Fals
 def main(argv: Sequence[str]) -> int:
   args = parse_args(argv)
   # pylint: disable=g-import-not-at-top
-  from gigrl import train as train_lib
+  from gigrl.cli import train as train_lib
   from gigrl.config_utils import UserError
   # pylint: enable=g-import-not-at-top
   try:

@@ -1,18 +1,13 @@
-r"""``gigrl-sweep``: a grid of config overrides × seeds of ``gigrl-train``, and their comparison.
+r"""A grid of config overrides × seeds of training runs, and their comparison: the library
+behind ``gigrl-sweep`` (:func:`run_sweep`; each run is :func:`gigrl.training.api.train` in a
+process of its own).
 
-Usage::
-
-  gigrl-sweep --config configs/countries.py --workdir runs/estimators --seeds 0,1,2 \
-      --parallel 2 --threshold 0.3 \
-      --setting 'grpo:data.pool.rule=grpo' \
-      --setting 'drgrpo:advantage.outcome=drgrpo,data.pool.rule=grpo' \
-      --setting 'recycle:data.pool.rule=recycle'
-
-Each setting is ``name:section.field=value,...`` (values as on the ``gigrl-train`` command
-line); ``--set section.field=value`` applies to every run. Run ``<setting>/seed_<s>`` of the
-grid is ``gigrl-train --config <config> --workdir <workdir>/<setting>/seed_<s>
---config.seed=<s> <--set ...> <the setting's overrides>``; its output goes to ``train.log`` in
-its folder. Runs go one after another, or ``--parallel N`` at a time (separate processes).
+Each setting is a name and its overrides (``section.field=value``, values as on the
+``gigrl-train`` command line; ``gigrl-sweep --setting`` writes them ``name:a.b=1,c.d=x``), and
+``common`` overrides apply to every run. Run ``<setting>/seed_<s>`` of the grid is the
+``gigrl-train`` run with ``seed=<s>``, the common and the setting's overrides (its
+``train.log`` starts with that command); its output goes to that ``train.log``. Runs go one
+after another, or ``parallel`` at a time (separate processes).
 
 ``--warm_start``: the SFT warm-start is run once per seed (``<workdir>/warm_start/seed_<s>``,
 ``train.num_steps=0`` and the ``--set`` overrides), and every setting's run of that seed starts RL
@@ -45,15 +40,18 @@ A run that fails is reported (with its log) and makes the exit status 1.
 """
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import json
 import math
+import multiprocessing
 import os
-import subprocess
+import shlex
 import sys
 import time
-from typing import Any, Sequence
+import traceback
+from typing import Any, Callable, Sequence
+
+from gigrl.training import metrics as metrics_lib
 
 PROG = "gigrl-sweep"
 DONE = "sweep_done.json"
@@ -113,18 +111,6 @@ def mean_ci(values: Sequence[float]) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------------------ one run
-def _read_jsonl(path: str) -> list[dict[str, Any]]:
-  rows = []
-  if os.path.exists(path):
-    with open(path, encoding="utf-8") as f:
-      for line in f:
-        try:
-          rows.append(json.loads(line))
-        except json.JSONDecodeError:
-          break
-  return rows
-
-
 def run_summary(run_dir: str) -> dict[str, Any]:
   """A run's eval curve and statistics from its ``metrics.jsonl``.
 
@@ -135,7 +121,8 @@ def run_summary(run_dir: str) -> dict[str, Any]:
     curve over its RL steps; the single value if there is one point), ``zero_variance_frac``
     (mean over RL steps), ``wall_s`` (all attempts), ``sft_steps``.
   """
-  rows = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+  path = os.path.join(run_dir, "metrics.jsonl")
+  rows = metrics_lib.read_metrics(path) if os.path.exists(path) else []
   rl = [r["step"] for r in rows if r.get("phase") == "rl"]
   # RL starts after the SFT steps (absent from the file of a train.init_from run)
   sft = min(rl) - 1 if rl else max((r["step"] for r in rows if r.get("phase") == "sft"),
@@ -168,28 +155,6 @@ def run_summary(run_dir: str) -> dict[str, Any]:
 def steps_to(curve: Sequence[tuple[int, float]], threshold: float) -> int | None:
   """The first RL step whose eval EM is >= ``threshold`` (None if never)."""
   return next((s for s, em in curve if em >= threshold), None)
-
-
-def _launch(cmd: list[str], run_dir: str, log) -> int:
-  """Runs one gigrl-train attempt; adds its wall time to ``sweep_wall.json``."""
-  os.makedirs(run_dir, exist_ok=True)
-  wall_path = os.path.join(run_dir, WALL)
-  before = json.load(open(wall_path))["wall_s"] if os.path.exists(wall_path) else 0.0
-  t0 = time.time()
-  with open(os.path.join(run_dir, "train.log"), "a", encoding="utf-8") as f:
-    f.write(f"$ {' '.join(cmd)}\n")
-    f.flush()
-    try:
-      rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False).returncode
-    finally:
-      with open(wall_path + ".tmp", "w", encoding="utf-8") as w:
-        json.dump({"wall_s": before + time.time() - t0}, w)
-      os.replace(wall_path + ".tmp", wall_path)
-  if rc == 0:
-    with open(os.path.join(run_dir, DONE), "w", encoding="utf-8") as f:
-      json.dump({"command": cmd, "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}, f)
-  log(f"{os.path.relpath(run_dir)}: {'done' if rc == 0 else f'FAILED (exit {rc}), see train.log'}")
-  return rc
 
 
 # ------------------------------------------------------------------------------ report
@@ -323,113 +288,152 @@ def plot(summary: dict[str, Any], path: str) -> str | None:
   return path
 
 
-# -------------------------------------------------------------------------------- main
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog=PROG, description=(__doc__ or "").split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", required=True, help="gigrl-train config file (FILE[:PRESET])")
-  p.add_argument("--workdir", required=True, help="the sweep's folder (one subfolder per run)")
-  p.add_argument("--setting", action="append", default=[], required=True,
-                 help="name:section.field=value,... (repeatable; one per grid point)")
-  p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
-  p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                 help="an override for every run (repeatable)")
-  p.add_argument("--eval_every", type=int, default=None,
-                 help="train.eval_every for every run (default: the config's)")
-  p.add_argument("--parallel", type=int, default=1, help="runs at a time (processes)")
-  p.add_argument("--threshold", type=float, default=0.3, help="EM for 'steps to threshold'")
-  p.add_argument("--warm_start", action="store_true",
-                 help="one SFT warm-start per seed, shared by every setting (train.init_from)")
-  p.add_argument("--report_only", action="store_true", help="only rewrite the report")
-  return p.parse_args(list(argv))
-
-
-def main(argv: Sequence[str]) -> int:
-  args = parse_args(argv)
+# -------------------------------------------------------------------------------- runs
+def _train_process(config: str, overrides: list[str], run_dir: str) -> None:
+  """A spawned process's whole life: its output into ``train.log``, the config file with the
+  run's overrides, :func:`gigrl.training.api.train`; ``sweep_done.json`` only when the run
+  reached its last step. Exit status 0 when it did."""
+  fd = os.open(os.path.join(run_dir, "train.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+  os.dup2(fd, 1)
+  os.dup2(fd, 2)
+  # pylint: disable=g-import-not-at-top
+  from gigrl import config as config_lib
+  from gigrl.config_utils import UserError
+  from gigrl.training import api
+  # pylint: enable=g-import-not-at-top
   try:
-    path, sep, preset = args.config.partition(":")     # FILE[:PRESET], as gigrl-train's
-    if not os.path.isfile(path):
-      raise SweepError(f"--config {path}: no such file")
-    config = os.path.abspath(path) + sep + preset
-    settings = dict(parse_setting(s) for s in args.setting)
-    if len(settings) != len(args.setting):
-      raise SweepError("--setting: two settings have the same name")
-    try:
-      seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    except ValueError:
-      raise SweepError(f"--seeds {args.seeds!r}: expected comma-separated integers") from None
-    if not seeds:
-      raise SweepError("--seeds: no seed given")
-    if args.parallel < 1:
-      raise SweepError(f"--parallel {args.parallel}: expected >= 1")
-    common = overrides(args.set, "--set")
-    if args.eval_every is not None:
-      common.append(f"--config.train.eval_every={args.eval_every}")
-  except SweepError as e:
-    print(f"{PROG}: error: {e}", file=sys.stderr)
-    return 2
-  os.makedirs(args.workdir, exist_ok=True)
+    cfg = config_lib.load_file(config)
+    config_lib.apply_overrides(cfg, overrides)
+    result = api.train(cfg, run_dir)
+  except UserError as e:
+    print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
+  except BaseException:  # pylint: disable=broad-except
+    traceback.print_exc()
+    sys.stderr.flush()
+    sys.exit(1)
+  if not result.complete:
+    print(f"[{PROG}] stopped at step {result.step} of {result.total}", file=sys.stderr,
+          flush=True)
+    sys.exit(3)
+  with open(os.path.join(run_dir, DONE), "w", encoding="utf-8") as f:
+    json.dump({"command": command_line(config, run_dir, overrides), "step": result.step,
+               "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "eval": result.eval}, f)
+  sys.stdout.flush()
+  sys.exit(0)
 
-  def log(msg):
-    print(f"[{PROG}] {msg}", file=sys.stderr, flush=True)
 
-  def train_cmd(d, s, extra):
-    return [sys.executable, "-m", "gigrl.train", "--config", config,
-            "--workdir", os.path.abspath(d), f"--config.seed={s}", *common, *extra]
+def command_line(config: str, run_dir: str, overrides: Sequence[str]) -> str:
+  """The ``gigrl-train`` command that runs the same run by hand."""
+  return " ".join(shlex.quote(a) for a in [
+      "gigrl-train", "--config", config, "--workdir", os.path.abspath(run_dir),
+      *[f"--config.{o.removeprefix('--config.')}" for o in overrides]])
 
-  warm = {s: os.path.join(args.workdir, "warm_start", f"seed_{s}") for s in seeds}
+
+def launch(config: str, overrides: list[str], run_dir: str, log: Callable[[str], None]) -> int:
+  """Runs one run in a spawned process (its own JAX, memory and signals) and waits; adds its
+  wall time to ``sweep_wall.json``.
+
+  Returns:
+    its exit status: 0 finished (``sweep_done.json`` written), 2 a bad config, 3 stopped
+    before its last step (SIGTERM), other values failed (see its ``train.log``).
+  """
+  os.makedirs(run_dir, exist_ok=True)
+  wall_path = os.path.join(run_dir, WALL)
+  before = json.load(open(wall_path))["wall_s"] if os.path.exists(wall_path) else 0.0
+  with open(os.path.join(run_dir, "train.log"), "a", encoding="utf-8") as f:
+    f.write(f"$ {command_line(config, run_dir, overrides)}\n")
+  t0 = time.time()
+  proc = multiprocessing.get_context("spawn").Process(
+      target=_train_process, args=(config, list(overrides), run_dir))
+  try:
+    proc.start()
+    proc.join()
+  finally:
+    with open(wall_path + ".tmp", "w", encoding="utf-8") as w:
+      json.dump({"wall_s": before + time.time() - t0}, w)
+    os.replace(wall_path + ".tmp", wall_path)
+  rc = proc.exitcode
+  done = rc == 0 and os.path.exists(os.path.join(run_dir, DONE))
+  log(f"{os.path.relpath(run_dir)}: " + (
+      "done" if done else "stopped before its last step; rerun to resume" if rc == 3
+      else f"FAILED (exit {rc}), see train.log"))
+  return 0 if done else (rc or 1)
+
+
+def run_sweep(config: str, workdir: str, settings: dict[str, list[str]], seeds: Sequence[int],
+              *, common: Sequence[str] = (), parallel: int = 1, warm_start: bool = False,
+              threshold: float = 0.3, report_only: bool = False, command: str | None = None,
+              log: Callable[[str], None] | None = None) -> tuple[dict[str, Any], int]:
+  """Runs the grid (the runs not finished yet), then writes its report.
+
+  Args:
+    config: a config file, ``FILE[:PRESET]``.
+    workdir: the sweep's folder; run ``<setting>/seed_<s>`` lives in its subfolder.
+    settings: name -> overrides (``section.field=value``) of each grid point.
+    seeds: the seeds of every setting (``seed=<s>`` is set on each run).
+    common: overrides of every run (applied before the setting's).
+    parallel: runs at a time (processes).
+    warm_start: one SFT warm-start per seed (``warm_start/seed_<s>``, ``train.num_steps=0``),
+      and every setting's run of that seed starts RL from it (``train.init_from``).
+    threshold: the EM of "steps to threshold".
+    report_only: only rewrite the report from the finished runs.
+    command: the command line written into the report.
+  Returns:
+    (the per-setting summary (:func:`summarize`), the number of runs that failed).
+  """
+  log = log or (lambda msg: print(f"[{PROG}] {msg}", file=sys.stderr, flush=True))
+  os.makedirs(workdir, exist_ok=True)
+
+  def run_overrides(s, extra):
+    return [f"seed={s}", *[o.removeprefix("--config.") for o in common],
+            *[o.removeprefix("--config.") for o in extra]]
+
+  warm = {s: os.path.join(workdir, "warm_start", f"seed_{s}") for s in seeds}
   jobs = []
   for name, extra in settings.items():
     for s in seeds:
-      d = os.path.join(args.workdir, name, f"seed_{s}")
+      d = os.path.join(workdir, name, f"seed_{s}")
       if os.path.exists(os.path.join(d, DONE)):
         continue
-      init = ([f"--config.train.init_from={os.path.abspath(warm[s])}"] if args.warm_start
-              else [])
-      jobs.append((train_cmd(d, s, [*extra, *init]), d, s))
+      init = [f"train.init_from={os.path.abspath(warm[s])}"] if warm_start else []
+      jobs.append((run_overrides(s, [*extra, *init]), d, s))
   failed = 0
-  if not args.report_only and jobs:
+  if not report_only and jobs:
     log(f"{len(jobs)} runs to do ({len(settings) * len(seeds) - len(jobs)} already finished), "
-        f"{args.parallel} at a time")
-    with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+        f"{parallel} at a time")
+    with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
       # Warm starts are submitted first, so they take the workers first; a run waits only for
       # its own seed's warm start (and is skipped, counted as failed, if that failed).
-      warm_rc = {s: pool.submit(_launch, train_cmd(d, s, ["--config.train.num_steps=0"]), d, log)
+      warm_rc = {s: pool.submit(launch, config, run_overrides(s, ["train.num_steps=0"]), d, log)
                  for s, d in warm.items()
-                 if args.warm_start and not os.path.exists(os.path.join(d, DONE))}
+                 if warm_start and not os.path.exists(os.path.join(d, DONE))}
 
-      def after_warm_start(cmd, d, s):
+      def after_warm_start(overrides, d, s):
         if s in warm_rc and warm_rc[s].result() != 0:
           log(f"{os.path.relpath(d)}: skipped (its warm start failed)")
           return 1
-        return _launch(cmd, d, log)
-      runs = [pool.submit(after_warm_start, cmd, d, s) for cmd, d, s in jobs]
+        return launch(config, overrides, d, log)
+      runs = [pool.submit(after_warm_start, o, d, s) for o, d, s in jobs]
       failed = sum(f.result() != 0 for f in [*warm_rc.values(), *runs])
-  summary = summarize(args.workdir, list(settings), seeds, args.threshold)
-  table = markdown(summary, args.threshold, len(seeds))
-  cmd_line = " ".join([PROG] + [a if " " not in a else repr(a) for a in argv])
-  if args.warm_start:
+  summary = summarize(workdir, list(settings), seeds, threshold)
+  table = markdown(summary, threshold, len(seeds))
+  if warm_start:
     walls = [run_summary(d)["wall_s"] for d in warm.values()
              if os.path.exists(os.path.join(d, DONE))]
     table += (f"\nWall time excludes the SFT warm-start shared by every setting of a seed "
               f"(`warm_start/seed_<s>`: {_f(mean_ci(walls)[0] / 60, '.1f')} min per seed).\n")
-  with open(os.path.join(args.workdir, "sweep.md"), "w", encoding="utf-8") as f:
-    f.write(f"Command: `{cmd_line}`\n\n{table}")
-  with open(os.path.join(args.workdir, "sweep.json"), "w", encoding="utf-8") as f:
-    json.dump({"command": cmd_line, "threshold": args.threshold, "seeds": seeds,
-               "settings": {k: {"overrides": v, **summary[k]} for k, v in settings.items()}},
-              f, indent=1)
-  png = plot(summary, os.path.join(args.workdir, "sweep.png"))
+  command = command or f"run_sweep({config!r}, {workdir!r}, ...)"
+  with open(os.path.join(workdir, "sweep.md"), "w", encoding="utf-8") as f:
+    f.write(f"Command: `{command}`\n\n{table}")
+  with open(os.path.join(workdir, "sweep.json"), "w", encoding="utf-8") as f:
+    json.dump({"command": command, "threshold": threshold, "seeds": list(seeds),
+               "settings": {k: {"overrides": [f"--config.{o.removeprefix('--config.')}"
+                                              for o in v], **summary[k]}
+                            for k, v in settings.items()}}, f, indent=1)
+  png = plot(summary, os.path.join(workdir, "sweep.png"))
   print(table)
-  log(f"wrote {os.path.join(args.workdir, 'sweep.md')}, sweep.json"
+  log(f"wrote {os.path.join(workdir, 'sweep.md')}, sweep.json"
       + (", sweep.png" if png else " (no eval lines to plot: set --eval_every)"))
-  return 1 if failed else 0
+  return summary, failed
 
-
-def run() -> None:
-  """Console entry point (``gigrl-sweep``)."""
-  sys.exit(main(sys.argv[1:]))
-
-
-if __name__ == "__main__":
-  run()

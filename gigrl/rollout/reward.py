@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
+import numpy as np
+
 from gigrl.data.qa import normalize_answer
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -43,3 +45,20 @@ def exact_match(prediction: str | None, golden_answers: Sequence[str]) -> float:
 def em_reward(generated_segments: Sequence[str], golden_answers: Sequence[str]) -> float:
   """Outcome reward of one trajectory: EM of its last generated answer (0 if none)."""
   return exact_match(extract_answer(generated_segments), golden_answers)
+
+
+def rollout_rewards(batch, golden_answers: Sequence[Sequence[str]],
+                    group_size: int) -> np.ndarray:
+  """Exact-match reward of each rollout's last generated ``<answer>``.
+
+  Args:
+    batch: the rollout batch (:class:`gigrl.rollout.trajectory.TrajectoryBatch`); its first
+      ``len(golden_answers) * group_size`` rows are scored (rows beyond are filler groups).
+    golden_answers: per candidate group, the question's gold answers.
+    group_size: G.
+  Returns:
+    f32[C, G] rewards in {0, 1}.
+  """
+  c, g = len(golden_answers), group_size
+  return np.array([em_reward(batch.generated_text[r], golden_answers[r // g])
+                   for r in range(c * g)], np.float32).reshape(c, g)

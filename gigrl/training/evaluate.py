@@ -17,7 +17,7 @@ Each breakdown adds up to its total: ``sum_s share_s · em_s == em`` (tests/test
 Models Trained on Code", eq. 1) over n sampled rollouts per question.
 
 Used by the trainer (``train.eval_every`` and the final ``eval.json``) and by ``gigrl-eval``
-(:mod:`gigrl.eval_cli`).
+(:mod:`gigrl.cli.eval`).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import jax
 import numpy as np
 
-from gigrl import reward as reward_lib
+from gigrl.rollout import reward as reward_lib
 from gigrl.data.qa import normalize_answer
 
 

@@ -28,7 +28,7 @@ Inputs:
     (in process) / ``--retriever http --retrieval_url ...`` (a Search-R1 retrieval server).
 
 Outputs (``--output``, default ``<workdir>/eval/step_<N>`` or ``./gigrl_eval``):
-``results.json`` (every dataset's metrics, see :mod:`gigrl.evaluate`), ``results.md`` (one
+``results.json`` (every dataset's metrics, see :mod:`gigrl.training.evaluate`), ``results.md`` (one
 table row per dataset: EM, F1, search calls, answered and invalid rates, EM per search-call
 stratum with its share, pass@k when sampled) and ``samples_<dataset>.jsonl`` (one line per
 question). The table is printed too.
@@ -44,7 +44,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 # The seven sets of Search-R1's main table (Jin et al. 2025, Table 2), in its column order.
 SEARCH_R1_SETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique",
@@ -56,7 +56,7 @@ RUN_SET = "run"     # the run's own held-out questions, as its trainer evaluates
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p = argparse.ArgumentParser(prog=PROG, description=(__doc__ or "").split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter,
-                              epilog="See the module docstring (python -m gigrl.eval_cli) "
+                              epilog="See the module docstring (python -m gigrl.cli.eval) "
                               "and README 'Evaluation'.")
   src = p.add_mutually_exclusive_group(required=True)
   src.add_argument("--workdir", help="a gigrl-train run directory (its checkpoints/)")
@@ -114,7 +114,7 @@ def resolve_datasets(spec: str, *, data_dir: str = "", split: str = "",
     DataError: a malformed row (file, line, field); a missing path names the file.
   """
   # pylint: disable=g-import-not-at-top
-  from gigrl import evaluate as evaluate_lib
+  from gigrl.training import evaluate as evaluate_lib
   from gigrl.config_utils import ConfigError, UserError
   from gigrl.data import qa
   # pylint: enable=g-import-not-at-top
@@ -161,46 +161,6 @@ def resolve_datasets(spec: str, *, data_dir: str = "", split: str = "",
 
 
 # --------------------------------------------------------------------------------- policy
-def _merge(cfg, values: dict[str, Any]) -> None:
-  """Writes ``values`` (a saved config's JSON) into ``cfg``, field by field (fields the saved
-  config has but this version does not are skipped)."""
-  for k, v in values.items():
-    if k not in cfg:
-      continue
-    if isinstance(v, dict) and hasattr(cfg[k], "keys"):
-      _merge(cfg[k], v)
-    else:
-      try:
-        cfg[k] = type(cfg[k])(v) if isinstance(cfg[k], tuple) else v
-      except (TypeError, ValueError):
-        pass
-
-
-def _override(cfg, assignments: Sequence[str]) -> None:
-  # pylint: disable=g-import-not-at-top
-  import ast
-  from gigrl.config_utils import ConfigError
-  # pylint: enable=g-import-not-at-top
-  for a in assignments:
-    path, eq, raw = a.partition("=")
-    node, parts = cfg, path.split(".")
-    try:
-      for part in parts[:-1]:
-        node = node[part]
-      old = node[parts[-1]]
-    except (KeyError, AttributeError, TypeError):
-      raise ConfigError(f"--set {path}", raw, "an existing config field") from None
-    if not eq:
-      raise ConfigError(f"--set {path}", raw, "SECTION.FIELD=VALUE")
-    try:
-      value = ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-      value = raw
-    if isinstance(old, float) and isinstance(value, int) and not isinstance(value, bool):
-      value = float(value)
-    node[parts[-1]] = value
-
-
 def load_policy(args: argparse.Namespace):
   """(cfg, policy, params, step, tokenizer) from ``--workdir`` or ``--hf_path``.
 
@@ -211,8 +171,8 @@ def load_policy(args: argparse.Namespace):
   # pylint: disable=g-import-not-at-top
   import jax
   import orbax.checkpoint as ocp
-  from gigrl import build
-  from gigrl import checkpoint as ckpt_lib
+  from gigrl.training import build
+  from gigrl.training import checkpoint as ckpt_lib
   from gigrl import config as config_lib
   from gigrl.config_utils import UserError
   from gigrl.data import tokenizer as tok_lib
@@ -220,13 +180,7 @@ def load_policy(args: argparse.Namespace):
   from gigrl.models import lora as lora_lib
   from gigrl.models import sharding as sharding_lib
   # pylint: enable=g-import-not-at-top
-  cfg = config_lib.base_config()
-  if args.config:
-    path, _, preset = args.config.partition(":")   # FILE[:PRESET], as gigrl-train's --config
-    if not os.path.isfile(path):
-      raise UserError(f"--config {path}: no such file")
-    import runpy  # pylint: disable=g-import-not-at-top
-    cfg = runpy.run_path(path)["get_config"](preset or None)
+  cfg = config_lib.load_file(args.config) if args.config else config_lib.base_config()
   step, meta = None, {}
   if args.workdir:
     ckdir = os.path.join(args.workdir, "checkpoints")
@@ -242,14 +196,14 @@ def load_policy(args: argparse.Namespace):
       raise UserError(f"--step {step}: no such checkpoint in {ckdir} (there are {steps})")
     meta = dict(ckpt.manager.restore(step, args=ocp.args.Composite(
         meta=ocp.args.JsonRestore())).meta)
-    _merge(cfg, meta.get("config") or {})
+    config_lib.merge_saved(cfg, meta.get("config") or {})
   else:
     hf = fetch.resolve_hf_path(args.hf_path, "--hf_path")
     fetch.check_hf_path(hf, "--hf_path")
     cfg.model.hf_path = hf
     if cfg.data.tokenizer == "bundled":
       cfg.data.tokenizer = hf
-  _override(cfg, args.set)
+  config_lib.apply_overrides(cfg, args.set, what="--set")
   if args.retriever:
     cfg.search.backend = args.retriever
   if args.retrieval_url:
@@ -291,14 +245,14 @@ def run_set(engine, params, es: EvalSet, *, samples: int, ks: Sequence[int], see
   """Evaluates one set: ``samples`` rollouts per question in batches of ``batch_size``.
 
   Returns:
-    (metrics, per-question rows): :func:`gigrl.evaluate.aggregate` over every rollout
+    (metrics, per-question rows): :func:`gigrl.training.evaluate.aggregate` over every rollout
     (``eval/em`` is pass@1), ``eval/pass@<k>`` per k, ``eval/time_s``.
   """
   # pylint: disable=g-import-not-at-top
   import jax
   import numpy as np
   from tqdm import tqdm
-  from gigrl import evaluate as evaluate_lib
+  from gigrl.training import evaluate as evaluate_lib
   # pylint: enable=g-import-not-at-top
   hops = evaluate_lib.question_hops(es.hops_files)
   t0 = time.perf_counter()
@@ -365,8 +319,8 @@ def _fill_run_set(es: EvalSet, cfg, args) -> None:
   """The ``run`` set: the held-out split of the run's ``data`` section, the questions its
   trainer evaluates (``train.eval_questions`` of them unless ``--max_questions``)."""
   # pylint: disable=g-import-not-at-top
-  from gigrl import build
-  from gigrl import evaluate as evaluate_lib
+  from gigrl.training import build
+  from gigrl.training import evaluate as evaluate_lib
   from gigrl.config_utils import ConfigError
   from gigrl.data import qa
   # pylint: enable=g-import-not-at-top
@@ -385,7 +339,7 @@ def _fill_run_set(es: EvalSet, cfg, args) -> None:
 def main(argv: Sequence[str]) -> int:
   args = parse_args(argv)
   # pylint: disable=g-import-not-at-top
-  from gigrl import train as train_lib
+  from gigrl.cli import train as train_lib
   from gigrl.config_utils import UserError
   from gigrl.search.base import SearchError
   # pylint: enable=g-import-not-at-top
@@ -408,7 +362,7 @@ def main(argv: Sequence[str]) -> int:
 
 def _evaluate_all(args, ks, samples) -> int:
   # pylint: disable=g-import-not-at-top
-  from gigrl import build
+  from gigrl.training import build
   from gigrl import config as config_lib
   from gigrl import search as search_lib
   # pylint: enable=g-import-not-at-top
@@ -466,7 +420,7 @@ def _evaluate_all(args, ks, samples) -> int:
 def run() -> None:
   """Console entry point (``gigrl-eval``)."""
   if not os.path.basename(sys.argv[0]).startswith("gigrl-"):
-    sys.argv[0] = PROG            # gigrl.train.fail names the program from argv[0]
+    sys.argv[0] = PROG            # gigrl.cli.train.fail names the program from argv[0]
   sys.exit(main(sys.argv[1:]))
 
 

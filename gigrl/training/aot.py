@@ -1,4 +1,5 @@
-r"""``gigrl-compile``: prove the TPU programs of a config fit, without a TPU.
+r"""Prove the TPU programs of a config fit, without a TPU: the library behind ``gigrl-compile``
+(:func:`compile_programs`).
 
 Usage::
 
@@ -29,7 +30,6 @@ import dataclasses
 import math
 import os
 import re
-import sys
 import time
 from typing import Any, Sequence
 
@@ -83,7 +83,7 @@ def parse_topology(name: str) -> tuple[str, str]:
   return gen, grid
 
 
-def _libtpu_env() -> None:
+def libtpu_env() -> None:
   """libtpu settings for a CPU host: a dummy slice type and host list quiet its start-up
   warnings; ALLOW_MULTIPLE_LIBTPU_LOAD lets several processes (tests, users) describe
   topologies at once instead of failing on /tmp/libtpu_lockfile."""
@@ -97,7 +97,7 @@ def topology_devices(name: str) -> list:
   gen, grid = parse_topology(name)
   dims = [int(d) for d in grid.split("x")]
   per_host = tuple(min(d, b) for d, b in zip(dims + [1] * (3 - len(dims)), (2, 2, 1)))
-  _libtpu_env()
+  libtpu_env()
   from jax.experimental import topologies
   return list(topologies.get_topology_desc(
       topology_name=f"{gen}:{grid}", platform="tpu", chip_config_name="default",
@@ -240,7 +240,7 @@ def compile_programs(cfg, topology: str, programs: Sequence[str] = PROGRAMS,
   import jax.numpy as jnp
   from flax import nnx
 
-  from gigrl import build
+  from gigrl.training import build
   from gigrl import config as config_lib
   from gigrl import models
   from gigrl.models import lora as lora_lib
@@ -419,65 +419,3 @@ def summary(reports: Sequence[Report], topology: str) -> str:
            f"bf16, {chip['hbm_bw'] / 1e9:.0f} GB/s [{chip['source']}]", HEADER]
   lines += [r.line() for r in reports]
   return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------ CLI
-
-
-def fail(message: str, status: int = 2) -> None:
-  """Prints ``gigrl-compile: error: <message>`` (one line) on stderr and exits."""
-  print(f"gigrl-compile: error: {' | '.join(str(message).splitlines())}", file=sys.stderr,
-        flush=True)
-  sys.exit(status)
-
-
-def main(argv: list[str]) -> None:
-  from gigrl import train as train_cli
-  from gigrl.config_utils import UserError
-  if len(argv) > 1:
-    fail(f"unexpected arguments: {' '.join(argv[1:])}")
-  flags = train_cli.FLAGS
-  if not flags.topology:
-    fail("--topology is required, e.g. --topology v5e-16 (see --help)")
-  try:
-    parse_topology(flags.topology)
-  except CompileError as e:
-    fail(str(e))
-  progs = [p.strip() for p in flags.programs.split(",") if p.strip()]
-  print(summary([], flags.topology), flush=True)
-  try:
-    reports = compile_programs(flags.config, flags.topology, progs,
-                               log=lambda s: print(s, flush=True))
-  except (UserError, CompileError) as e:
-    fail(str(e))
-  over = [r.name for r in reports if not r.fits]
-  if over:
-    fail(f"{', '.join(over)} {'does' if len(over) == 1 else 'do'} not fit in "
-         f"{reports[0].hbm / GiB:.1f} GiB per device on {flags.topology}", status=1)
-  print(f"gigrl-compile: all {len(reports)} programs fit on {flags.topology}")
-
-
-def run() -> None:
-  """Console entry point (``gigrl-compile``)."""
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")   # before jax is imported: no TPU here
-  _libtpu_env()
-  from absl import app
-  from absl import flags as absl_flags
-
-  from gigrl import train as train_cli   # defines --config (and --workdir, unused here)
-  absl_flags.DEFINE_string("topology", None, "TPU slice, e.g. v5e-16, v5p-8, v6e-8, v5e:4x4")
-  absl_flags.DEFINE_string("programs", ",".join(PROGRAMS),
-                           f"comma-separated subset of {', '.join(PROGRAMS)}")
-
-  def parse(argv):
-    if any(a in ("-h", "--help", "-help") for a in argv[1:]):
-      print((__doc__ or "").strip().replace("``", ""))
-      print("\nFlags: --config FILE, --topology NAME, --programs LIST, --config.<field>=value")
-      sys.exit(0)
-    return train_cli.parse_flags(argv)
-
-  app.run(main, flags_parser=parse)
-
-
-if __name__ == "__main__":
-  run()

@@ -1,4 +1,4 @@
-"""Orbax checkpoints of the whole :class:`~gigrl.train_state.TrainState`; atomic, async, last N.
+"""Orbax checkpoints of the whole :class:`~gigrl.training.state.TrainState`; atomic, async, last N.
 
 A checkpoint holds two items: ``state`` (the state's arrays: params, optimizer state, reference
 params, the advantage-estimator state such as HA-DW's beliefs) and ``meta`` (JSON: the step, the
@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from gigrl import config_utils
-from gigrl import train_state as state_lib
+from gigrl.training import state as state_lib
 
 
 class CheckpointError(RuntimeError):

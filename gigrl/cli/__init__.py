@@ -1,0 +1,2 @@
+"""The command-line tools (``gigrl-train``, ``-eval``, ``-compile``, ``-sweep``, ``-export``):
+flag parsing and one-line errors over the library calls a notebook can make too."""

@@ -1,0 +1,140 @@
+"""The RL update's token batch: which rollout rows are trained, and their tokens, loss mask and
+per-token advantages; the SFT step's demonstration rows.
+
+Pure functions of numpy arrays (no devices, no globals), tested on small hand-written cases
+(tests/test_rl_batch.py). In one RL step::
+
+  rows, valid = train_rows(candidates, accepted, P, G)           i32[P, G], bool[P]
+  (advantages: gigrl.advantages.inputs.advantage_inputs -> the estimator -> f32[P, G, T])
+  tokens, mask, tok_adv = train_batch(batch, rows, valid, adv)   [P·G, W] each
+
+C = candidate groups rolled out (k·P with query recycling), P = trained groups
+(``data.prompts_per_step``), G = rollouts per group, T = max steps (``rollout.max_turns + 1``),
+W = tokens per trained row (bucketed). Rollout row ``c * G + j`` is rollout j of candidate c.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from gigrl.data import copy_task
+from gigrl.rollout import trajectory as traj_lib
+
+
+def train_rows(candidates: Sequence[int], accepted: Sequence[int], num_prompts: int,
+               group_size: int) -> tuple[np.ndarray, np.ndarray]:
+  """Rollout rows of the P trained groups: accepted candidates first, then unused ones.
+
+  The trained batch always has P groups (a fixed shape for the jitted update); slots beyond the
+  accepted groups are filled with other candidates' rows (or candidate 0's when there are fewer
+  than P candidates) and marked invalid, so their loss mask is zeroed.
+
+  Args:
+    candidates: pool ids of the C rolled-out candidate groups, in rollout order.
+    accepted: pool ids the query pool accepted for training (a subset of ``candidates``); at
+      most the first P are used.
+    num_prompts: P.
+    group_size: G.
+  Returns:
+    (rows i32[P, G] indices into the rollout batch, valid bool[P]).
+  Raises:
+    ValueError: an accepted id is not among the candidates.
+  """
+  p, g = num_prompts, group_size
+  pos = {int(c): i for i, c in enumerate(candidates)}
+  try:
+    acc = [pos[int(a)] for a in accepted][:p]
+  except KeyError as e:
+    raise ValueError(f"accepted query {e.args[0]} is not a candidate of this step") from None
+  taken = set(acc)
+  rest = [i for i in range(len(candidates)) if i not in taken]
+  order = (acc + rest + [0] * p)[:p]
+  valid = np.arange(p) < len(acc)
+  rows = np.asarray(order, np.int32)[:, None] * g + np.arange(g, dtype=np.int32)[None, :]
+  return rows, valid
+
+
+def token_advantages(advantages: np.ndarray, step_ids: np.ndarray) -> np.ndarray:
+  """Per-token advantages: token s of row b gets ``advantages[b, step_ids[b, s]]``.
+
+  Args:
+    advantages: f32[B, T] per-step advantages of each row (``[P, G, T]`` reshaped, B = P·G).
+    step_ids: i32[B, S] turn index of each generated token, -1 on prompt, observations and
+      padding.
+  Returns:
+    f32[B, S]; 0 where ``step_ids`` is -1.
+  """
+  adv = np.asarray(advantages, np.float32)
+  step_ids = np.asarray(step_ids)
+  out = np.take_along_axis(adv, np.maximum(step_ids, 0), axis=1)
+  return np.where(step_ids >= 0, out, 0.0).astype(np.float32)
+
+
+def bucket(width: int, seq_len: int, multiple: int = 64) -> int:
+  """Pads a sequence width up to a multiple of ``multiple``, at most ``seq_len``
+  (fewer distinct shapes, so fewer recompiles of the train step)."""
+  return min(int(seq_len), -(-int(width) // multiple) * multiple)
+
+
+def train_batch(batch: traj_lib.TrajectoryBatch, rows: np.ndarray, valid_groups: np.ndarray,
+                advantages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """The RL update's token batch for the trained rows, cut to a bucketed width.
+
+  Args:
+    batch: the rollout batch.
+    rows, valid_groups: from :func:`train_rows` (i32[P, G], bool[P]).
+    advantages: f32[P, G, T] from the advantage estimator.
+  Returns:
+    (tokens i32[B, W], loss_mask f32[B, W] (zero on invalid groups), token advantages
+    f32[B, W]) with B = P·G and W = :func:`bucket` of the longest trained row.
+  """
+  sel = rows.reshape(-1)
+  g = rows.shape[1]
+  width = bucket(int(batch.lengths[sel].max()), batch.tokens.shape[1])
+  row_valid = np.repeat(np.asarray(valid_groups, np.float32), g)
+  adv = np.asarray(advantages, np.float32).reshape(len(sel), -1)
+  tok_adv = token_advantages(adv, batch.step_ids[sel, :width])
+  mask = batch.loss_mask[sel, :width] * row_valid[:, None]
+  return batch.tokens[sel, :width], mask.astype(np.float32), tok_adv
+
+
+def sft_indices(num_demos: int, batch_size: int, seed: int, step: int) -> np.ndarray:
+  """Demonstration rows of SFT step ``step`` (1-based): a seeded permutation per epoch.
+
+  Args:
+    num_demos: N demonstrations; batch_size: rows per step.
+  Returns:
+    i64[batch_size] indices; epoch e uses ``default_rng([seed, e]).permutation(N)``, cut into
+    ``max(1, N // batch_size)`` batches (a last partial batch wraps around the permutation).
+  """
+  per_epoch = max(1, num_demos // batch_size)
+  epoch, i = divmod(step - 1, per_epoch)
+  perm = np.random.default_rng([seed, epoch]).permutation(num_demos)
+  idx = perm[i * batch_size:(i + 1) * batch_size]
+  if len(idx) < batch_size:
+    idx = np.resize(perm, batch_size)
+  return idx
+
+
+
+
+def sft_batch(demos: traj_lib.TrajectoryBatch, train: Any, seed: int, step: int,
+              copy_ids: Callable[[], np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """SFT step ``step``'s rows: synthetic copying sequences for the first ``train.copy_steps``
+  steps (:mod:`gigrl.data.copy_task`), then demonstration rows (:func:`sft_indices`) cut to a
+  bucketed width.
+
+  Args:
+    demos: the collated demonstrations; train: the config's ``train`` section;
+    copy_ids: returns the tokenizer's ordinary ids (called only on copying steps).
+  Returns:
+    (tokens i32[B, W], loss_mask f32[B, W], lengths i32[B]).
+  """
+  if step <= train.copy_steps:
+    tok, msk = copy_task.copy_batch(copy_ids(), train.copy_batch_size, train.copy_width, seed,
+                                    step)
+    return tok, msk, (tok > 0).sum(axis=1)
+  idx = sft_indices(demos.tokens.shape[0], train.sft_batch_size, seed, step)
+  width = bucket(int(demos.lengths[idx].max()), demos.tokens.shape[1])
+  return demos.tokens[idx, :width], demos.loss_mask[idx, :width], demos.lengths[idx]
