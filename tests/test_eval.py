@@ -260,11 +260,10 @@ def test_resolve_datasets(tmp_path):
 
 
 def test_markdown_table_per_dataset():
-  from gigrl.cli import eval as eval_cli  # pylint: disable=g-import-not-at-top
   a = evaluate.aggregate([_result(1, 1), _result(0, 2), _result(0, 0, answered=False)])
   b = evaluate.aggregate([_result(1, 1)])
   a["eval/pass@2"], b["eval/pass@2"] = 0.5, 1.0
-  t = eval_cli.markdown_table({"nq": a, "popqa": b}, ks=[2])
+  t = evaluate.markdown_table({"nq": a, "popqa": b}, ks=[2])
   lines = t.splitlines()
   assert lines[0] == ("| dataset | n | EM | F1 | search calls | answered | invalid | pass@2 | "
                       "EM calls=0 (share) | EM calls=1 (share) | EM calls=2 (share) |")

@@ -1,6 +1,5 @@
 """LoRA adapters (gigrl.models.lora): the base at step 0, only adapters trained, the reference
 is the base with the adapters off, adapter-only checkpoints that resume exactly."""
-import argparse
 import json
 import os
 import subprocess
@@ -244,18 +243,15 @@ def test_export_merged_loads_in_transformers_and_adapters_in_peft(tmp_path, lora
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   peft = pytest.importorskip("peft")
-  from gigrl.cli import eval as eval_cli
-  from gigrl.cli import export as export_cli
   from gigrl.models import hf
+  from gigrl.training import trained
   merged, adapters, base_dir = tmp_path / "merged", tmp_path / "adapters", tmp_path / "base"
-  files = export_cli.export(str(lora_run), str(merged))
+  files = trained.export(str(lora_run), str(merged))
   assert {"config.json", "model.safetensors"} <= {os.path.basename(f) for f in files}
-  export_cli.export(str(lora_run), str(adapters), peft=True)
+  trained.export(str(lora_run), str(adapters), peft=True)
   assert json.load(open(adapters / "adapter_config.json"))["r"] == 8
-  args = argparse.Namespace(workdir=str(lora_run), step=None, config=None, set=[],
-                            hf_path=None, retriever=None, retrieval_url=None, corpus=None,
-                            topk=None, temperature=None)
-  _, policy, params, step, _ = eval_cli.load_policy(args)
+  run = trained.load_policy(str(lora_run))
+  policy, params, step = run.policy, run.params, run.step
   assert step == 7 and lora_lib.is_lora(params)
   tokens = np.random.default_rng(0).integers(1, 500, (2, 10))
   want = np.asarray(nnx.merge(policy.graphdef, params)(jnp.asarray(tokens)))
@@ -271,7 +267,7 @@ def test_export_merged_loads_in_transformers_and_adapters_in_peft(tmp_path, lora
     np.testing.assert_allclose(with_peft(ids).logits.numpy(), want, atol=2e-4)
   assert np.abs(base_logits - want).max() > 1e-4      # the adapters changed the function
   with pytest.raises(Exception, match="not an empty directory"):
-    export_cli.export(str(lora_run), str(merged))
+    trained.export(str(lora_run), str(merged))
 
 
 @pytest.mark.slow
@@ -294,6 +290,13 @@ def test_lora_rl_on_a_full_fine_tuning_warm_start(tmp_path):
   assert _metrics(part) == want
   meta = json.load(open(part / "checkpoints" / "7" / "meta" / "metadata"))
   assert meta["lora_base"] == f"train.init_from {sft}@3"
+  # gigrl-eval / gigrl-export put the adapters back on that base, not on the preset's
+  from gigrl.training import trained  # pylint: disable=g-import-not-at-top
+  lora, warm = trained.load_policy(str(part)), trained.load_policy(str(sft))
+  tokens = jnp.asarray(np.random.default_rng(0).integers(1, 60, (2, 8)))
+  base_logits = nnx.merge(lora.policy.graphdef, lora_lib.adapters_off(lora.params))(tokens)
+  warm_logits = nnx.merge(warm.policy.graphdef, warm.params)(tokens)
+  np.testing.assert_allclose(np.asarray(base_logits), np.asarray(warm_logits), atol=1e-6)
 
 
 def test_adapter_dropout_in_training_forwards_only():

@@ -43,7 +43,6 @@ import dataclasses
 import json
 import os
 import sys
-import time
 from typing import Sequence
 
 # The seven sets of Search-R1's main table (Jin et al. 2025, Table 2), in its column order.
@@ -160,161 +159,6 @@ def resolve_datasets(spec: str, *, data_dir: str = "", split: str = "",
   return out
 
 
-# --------------------------------------------------------------------------------- policy
-def load_policy(args: argparse.Namespace):
-  """(cfg, policy, params, step, tokenizer) from ``--workdir`` or ``--hf_path``.
-
-  Raises:
-    UserError: no checkpoint (or not ``--step``) in the workdir; a missing ``--hf_path``,
-      ``--config`` file or tokenizer.
-  """
-  # pylint: disable=g-import-not-at-top
-  import jax
-  import orbax.checkpoint as ocp
-  from gigrl.training import build
-  from gigrl.training import checkpoint as ckpt_lib
-  from gigrl import config as config_lib
-  from gigrl.config_utils import UserError
-  from gigrl.data import tokenizer as tok_lib
-  from gigrl.models import fetch
-  from gigrl.models import lora as lora_lib
-  from gigrl.models import sharding as sharding_lib
-  # pylint: enable=g-import-not-at-top
-  cfg = config_lib.load_file(args.config) if args.config else config_lib.base_config()
-  step, meta = None, {}
-  if args.workdir:
-    ckdir = os.path.join(args.workdir, "checkpoints")
-    if not os.path.isdir(ckdir):
-      raise UserError(f"--workdir {args.workdir}: no checkpoints/ folder (not a gigrl-train "
-                      "run directory, or no checkpoint written yet)")
-    ckpt = ckpt_lib.Checkpointer(ckdir, keep=1_000_000, async_save=False)
-    steps = ckpt.steps()
-    if not steps:
-      raise UserError(f"--workdir {args.workdir}: no checkpoint in {ckdir}")
-    step = steps[-1] if args.step is None else args.step
-    if step not in steps:
-      raise UserError(f"--step {step}: no such checkpoint in {ckdir} (there are {steps})")
-    meta = dict(ckpt.manager.restore(step, args=ocp.args.Composite(
-        meta=ocp.args.JsonRestore())).meta)
-    config_lib.merge_saved(cfg, meta.get("config") or {})
-  else:
-    hf = fetch.resolve_hf_path(args.hf_path, "--hf_path")
-    fetch.check_hf_path(hf, "--hf_path")
-    cfg.model.hf_path = hf
-    if cfg.data.tokenizer == "bundled":
-      cfg.data.tokenizer = hf
-  config_lib.apply_overrides(cfg, args.set, what="--set")
-  if args.retriever:
-    cfg.search.backend = args.retriever
-  if args.retrieval_url:
-    cfg.search.url = args.retrieval_url
-  if args.corpus:
-    cfg.search.corpus = args.corpus
-  if args.topk:
-    cfg.search.topk = args.topk
-  if args.temperature is not None:
-    cfg.rollout.temperature = args.temperature
-  tok = cfg.data.tokenizer
-  if tok != "bundled" and not os.path.exists(tok):
-    raise UserError(f"data.tokenizer {tok}: no such file or directory")
-  tokenizer = tok_lib.load(tok)
-  policy = build.build_policy(cfg, tokenizer.vocab_size)
-  params = policy.params
-  if args.workdir:
-    # a LoRA run's checkpoint holds the adapters alone; the base is model.hf_path / the preset
-    trained = policy.trained(params)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                           sharding=x.sharding), trained)
-    ckpt.close()
-    target = {"params": abstract}     # only the params are read (no optimizer state)
-    restored = ocp.PyTreeCheckpointer().restore(
-        os.path.abspath(os.path.join(ckdir, str(step), "state")),
-        args=ocp.args.PyTreeRestore(
-            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-            partial_restore=True))
-    loaded = restored["params"]
-    if policy.lora.enabled:
-      loaded = lora_lib.merge(loaded, lora_lib.split_trainable(params, True)[1])
-    params = sharding_lib.shard_state(loaded, policy.mesh, policy.train_preset)
-  return cfg, policy, params, step, tokenizer
-
-
-# -------------------------------------------------------------------------------- running
-def run_set(engine, params, es: EvalSet, *, samples: int, ks: Sequence[int], seed: int,
-            batch_size: int, rows_multiple: int) -> tuple[dict[str, float], list[dict]]:
-  """Evaluates one set: ``samples`` rollouts per question in batches of ``batch_size``.
-
-  Returns:
-    (metrics, per-question rows): :func:`gigrl.training.evaluate.aggregate` over every rollout
-    (``eval/em`` is pass@1), ``eval/pass@<k>`` per k, ``eval/time_s``.
-  """
-  # pylint: disable=g-import-not-at-top
-  import jax
-  import numpy as np
-  from tqdm import tqdm
-  from gigrl.training import evaluate as evaluate_lib
-  # pylint: enable=g-import-not-at-top
-  hops = evaluate_lib.question_hops(es.hops_files)
-  t0 = time.perf_counter()
-  per_sample = []
-  qs = es.questions
-  width = max(rows_multiple, (min(batch_size, len(qs)) + rows_multiple - 1)
-              // rows_multiple * rows_multiple)
-  bar = tqdm(total=samples * len(qs), desc=f"gigrl-eval {es.name}", unit="rollout",
-             dynamic_ncols=True, file=sys.stderr)
-  for s in range(samples):
-    results = []
-    for b in range(0, len(qs), width):
-      chunk = qs[b:b + width]
-      padded = chunk + [chunk[-1]] * (width - len(chunk))  # one shape: no recompiles
-      key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), s), b)
-      batch, _ = engine.run(params, [q.question for q in padded], key)
-      results += evaluate_lib.score(chunk, batch, hops)
-      bar.update(len(chunk))
-      bar.set_postfix(em=f"{np.mean([r.em for r in results]):.3f}")
-    per_sample.append(results)
-  bar.close()
-  flat = [r for rs in per_sample for r in rs]
-  m = evaluate_lib.aggregate(flat)
-  m["eval/n"] = float(len(qs))
-  m["eval/samples"] = float(samples)
-  correct = np.sum([[r.em for r in rs] for rs in per_sample], axis=0)
-  for k in ks:
-    m[f"eval/pass@{k}"] = float(np.mean([evaluate_lib.pass_at_k(samples, int(c), k)
-                                         for c in correct]))
-  m["eval/time_s"] = time.perf_counter() - t0
-  rows = [{"question": q.question, "golden_answers": list(q.golden_answers),
-           "answers": [rs[i].answer for rs in per_sample],
-           "em": [rs[i].em for rs in per_sample], "f1": [rs[i].f1 for rs in per_sample],
-           "search_calls": [rs[i].search_calls for rs in per_sample],
-           "hops": per_sample[0][i].hops, "text": per_sample[0][i].text}
-          for i, q in enumerate(qs)]
-  return m, rows
-
-
-def markdown_table(results: dict[str, dict[str, float]], ks: Sequence[int] = ()) -> str:
-  """One row per dataset: n, EM, F1, search calls, answered, invalid, pass@k, EM per stratum
-  (``em (share)`` for each search-call count), and the unweighted average over datasets."""
-  strata = sorted({int(k.split("=")[1]) for m in results.values() for k in m
-                   if k.startswith("eval/em/calls=")})
-  head = (["dataset", "n", "EM", "F1", "search calls", "answered", "invalid"]
-          + [f"pass@{k}" for k in ks] + [f"EM calls={c} (share)" for c in strata])
-  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-  keys = ["eval/em", "eval/f1", "eval/search_calls_mean", "eval/answered_frac",
-          "eval/invalid_frac"] + [f"eval/pass@{k}" for k in ks]
-  for name, m in results.items():
-    cells = [name, str(int(m["eval/n"]))] + [f"{m[k]:.3f}" for k in keys]
-    for c in strata:
-      e = m.get(f"eval/em/calls={c}")
-      cells.append("-" if e is None else f"{e:.3f} ({m[f'eval/share/calls={c}']:.2f})")
-    lines.append("| " + " | ".join(cells) + " |")
-  if len(results) > 1:
-    avg = [sum(m[k] for m in results.values()) / len(results) for k in keys]
-    lines.append("| " + " | ".join(["average", ""] + [f"{v:.3f}" for v in avg]
-                                   + [""] * len(strata)) + " |")
-  return "\n".join(lines) + "\n"
-
-
 def _fill_run_set(es: EvalSet, cfg, args) -> None:
   """The ``run`` set: the held-out split of the run's ``data`` section, the questions its
   trainer evaluates (``train.eval_questions`` of them unless ``--max_questions``)."""
@@ -362,18 +206,23 @@ def main(argv: Sequence[str]) -> int:
 
 def _evaluate_all(args, ks, samples) -> int:
   # pylint: disable=g-import-not-at-top
-  from gigrl.training import build
   from gigrl import config as config_lib
   from gigrl import search as search_lib
+  from gigrl.config_utils import UserError
+  from gigrl.training import build
+  from gigrl.training import evaluate as evaluate_lib
+  from gigrl.training import trained
   # pylint: enable=g-import-not-at-top
   if args.workdir and not os.path.isdir(args.workdir):
-    from gigrl.config_utils import UserError  # pylint: disable=g-import-not-at-top
     raise UserError(f"--workdir {args.workdir}: no such directory")
   # Datasets first: a bad name or file fails before the model is built.
   eval_percent = 10
   sets = resolve_datasets(args.datasets, data_dir=args.data_dir, split=args.split,
                           eval_percent=eval_percent, max_questions=args.max_questions)
-  cfg, policy, params, step, tokenizer = load_policy(args)
+  run = trained.load_policy(args.workdir, step=args.step, hf_path=args.hf_path,
+                            config_file=args.config, overrides=args.set)
+  cfg, policy, step = run.cfg, run.policy, run.step
+  _apply_search_args(cfg, args)
   if int(cfg.data.eval_percent) != eval_percent:        # the run's own split of bundled sets
     sets = resolve_datasets(args.datasets, data_dir=args.data_dir, split=args.split,
                             eval_percent=int(cfg.data.eval_percent),
@@ -383,17 +232,18 @@ def _evaluate_all(args, ks, samples) -> int:
     if es.name == RUN_SET:
       _fill_run_set(es, cfg, args)
   retriever = search_lib.make_retriever(cfg.search)
-  engine = build.build_engine(cfg, policy, tokenizer, retriever,
+  engine = build.build_engine(cfg, policy, run.tokenizer, retriever,
                               greedy=args.mode == "greedy")
-  rollout_params = policy.rollout_params(params)
+  rollout_params = policy.rollout_params(run.params)
   out_dir = args.output or (os.path.join(args.workdir, "eval", f"step_{step}") if args.workdir
                             else "gigrl_eval")
   os.makedirs(out_dir, exist_ok=True)
   results, report = {}, {}
   for es in sets:
-    m, rows = run_set(engine, rollout_params, es, samples=samples, ks=ks, seed=args.seed,
-                      batch_size=args.batch_size,
-                      rows_multiple=build.batch_axis_size(policy.mesh))
+    m, rows = evaluate_lib.evaluate_set(
+        engine, rollout_params, es.questions, samples=samples, ks=ks, seed=args.seed,
+        batch_size=args.batch_size, rows_multiple=build.batch_axis_size(policy.mesh),
+        hops=evaluate_lib.question_hops(es.hops_files), name=es.name)
     results[es.name] = m
     report[es.name] = {"origin": es.origin, **m}
     with open(os.path.join(out_dir, f"samples_{es.name}.jsonl"), "w", encoding="utf-8") as f:
@@ -402,7 +252,7 @@ def _evaluate_all(args, ks, samples) -> int:
           f"({m['eval/time_s']:.0f} s)", file=sys.stderr, flush=True)
   source = (f"--workdir {args.workdir} (step {step})" if args.workdir
             else f"--hf_path {args.hf_path}")
-  table = markdown_table(results, ks)
+  table = evaluate_lib.markdown_table(results, ks)
   header = (f"gigrl-eval of {source}: {args.mode}"
             + (f", {samples} samples" if samples > 1 else "")
             + f", retriever {cfg.search.backend} (top {cfg.search.topk})\n\n")
@@ -415,6 +265,21 @@ def _evaluate_all(args, ks, samples) -> int:
   print(header + table)
   print(f"[gigrl-eval] wrote {out_dir}/results.json and results.md", file=sys.stderr)
   return 0
+
+
+def _apply_search_args(cfg, args) -> None:
+  """``--retriever``, ``--retrieval_url``, ``--corpus``, ``--topk``, ``--temperature``: over
+  the run's settings and ``--set``."""
+  if args.retriever:
+    cfg.search.backend = args.retriever
+  if args.retrieval_url:
+    cfg.search.url = args.retrieval_url
+  if args.corpus:
+    cfg.search.corpus = args.corpus
+  if args.topk:
+    cfg.search.topk = args.topk
+  if args.temperature is not None:
+    cfg.rollout.temperature = args.temperature
 
 
 def run() -> None:

@@ -16,8 +16,8 @@ Each breakdown adds up to its total: ``sum_s share_s · em_s == em`` (tests/test
 :func:`pass_at_k` is the unbiased pass@k of Chen et al. (2021, "Evaluating Large Language
 Models Trained on Code", eq. 1) over n sampled rollouts per question.
 
-Used by the trainer (``train.eval_every`` and the final ``eval.json``) and by ``gigrl-eval``
-(:mod:`gigrl.cli.eval`).
+Used by the trainer (``train.eval_every`` and the final ``eval.json``); :func:`evaluate_set`
+(sampled pass@k, per-question rows) and :func:`markdown_table` are ``gigrl-eval``'s.
 """
 from __future__ import annotations
 
@@ -25,13 +25,16 @@ import collections
 import dataclasses
 import json
 import math
+import sys
+import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
-from gigrl.rollout import reward as reward_lib
 from gigrl.data.qa import normalize_answer
+from gigrl.rollout import reward as reward_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,3 +255,84 @@ def select(questions: Sequence[Any], n: int) -> list[Any]:
     return list(questions)
   idx = np.unique(np.linspace(0, len(questions) - 1, n).round().astype(int))
   return [questions[int(i)] for i in idx]
+
+
+def evaluate_set(engine, params, questions: Sequence[Any], *, samples: int = 1,
+                 ks: Sequence[int] = (), seed: int = 0, batch_size: int = 64,
+                 rows_multiple: int = 1, hops: Mapping[str, int] | None = None,
+                 name: str = "eval") -> tuple[dict[str, float], list[dict]]:
+  """``samples`` rollouts per question, in batches of ``batch_size`` (the library call behind
+  ``gigrl-eval``; a greedy engine with ``samples=1`` is the trainer's held-out EM).
+
+  Args:
+    engine: a :class:`gigrl.rollout.engine.RolloutEngine` (greedy or sampling).
+    params: its rollout params (``policy.rollout_params``).
+    questions: :class:`gigrl.data.qa.Question` rows.
+    ks: pass@k values, each in ``[1, samples]`` (Chen et al. 2021, eq. 1, :func:`pass_at_k`).
+    seed: the sampling key's seed (sample ``s`` of batch ``b`` folds in ``s`` then ``b``).
+    rows_multiple: batches are padded to a multiple of it (the mesh's batch axes), with one
+      shape for every batch so the engine compiles once.
+    hops: question text -> hop count (:func:`question_hops`), for the ``hops=<k>`` subsets.
+    name: the progress bar's label.
+  Returns:
+    (metrics, per-question rows): :func:`aggregate` over every rollout (``eval/em`` is
+    pass@1), ``eval/n``, ``eval/samples``, ``eval/pass@<k>`` per k and ``eval/time_s``
+    (seconds); each row holds the question, its golden answers and per-sample answers, EM, F1
+    and search calls, its hops and the first sample's text.
+  """
+  t0 = time.perf_counter()
+  per_sample = []
+  qs = list(questions)
+  width = max(rows_multiple, (min(batch_size, len(qs)) + rows_multiple - 1)
+              // rows_multiple * rows_multiple)
+  bar = tqdm(total=samples * len(qs), desc=f"gigrl-eval {name}", unit="rollout",
+             dynamic_ncols=True, file=sys.stderr)
+  for s in range(samples):
+    results = []
+    for b in range(0, len(qs), width):
+      chunk = qs[b:b + width]
+      padded = chunk + [chunk[-1]] * (width - len(chunk))  # one shape: no recompiles
+      key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), s), b)
+      batch, _ = engine.run(params, [q.question for q in padded], key)
+      results += score(chunk, batch, hops)
+      bar.update(len(chunk))
+      bar.set_postfix(em=f"{np.mean([r.em for r in results]):.3f}")
+    per_sample.append(results)
+  bar.close()
+  m = aggregate([r for rs in per_sample for r in rs])
+  m["eval/n"] = float(len(qs))
+  m["eval/samples"] = float(samples)
+  correct = np.sum([[r.em for r in rs] for rs in per_sample], axis=0)
+  for k in ks:
+    m[f"eval/pass@{k}"] = float(np.mean([pass_at_k(samples, int(c), k) for c in correct]))
+  m["eval/time_s"] = time.perf_counter() - t0
+  rows = [{"question": q.question, "golden_answers": list(q.golden_answers),
+           "answers": [rs[i].answer for rs in per_sample],
+           "em": [rs[i].em for rs in per_sample], "f1": [rs[i].f1 for rs in per_sample],
+           "search_calls": [rs[i].search_calls for rs in per_sample],
+           "hops": per_sample[0][i].hops, "text": per_sample[0][i].text}
+          for i, q in enumerate(qs)]
+  return m, rows
+
+
+def markdown_table(results: Mapping[str, Mapping[str, float]], ks: Sequence[int] = ()) -> str:
+  """One row per dataset: n, EM, F1, search calls, answered, invalid, pass@k, EM per stratum
+  (``em (share)`` for each search-call count), and the unweighted average over datasets."""
+  strata = sorted({int(k.split("=")[1]) for m in results.values() for k in m
+                   if k.startswith("eval/em/calls=")})
+  head = (["dataset", "n", "EM", "F1", "search calls", "answered", "invalid"]
+          + [f"pass@{k}" for k in ks] + [f"EM calls={c} (share)" for c in strata])
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  keys = ["eval/em", "eval/f1", "eval/search_calls_mean", "eval/answered_frac",
+          "eval/invalid_frac"] + [f"eval/pass@{k}" for k in ks]
+  for name, m in results.items():
+    cells = [name, str(int(m["eval/n"]))] + [f"{m[k]:.3f}" for k in keys]
+    for c in strata:
+      e = m.get(f"eval/em/calls={c}")
+      cells.append("-" if e is None else f"{e:.3f} ({m[f'eval/share/calls={c}']:.2f})")
+    lines.append("| " + " | ".join(cells) + " |")
+  if len(results) > 1:
+    avg = [sum(m[k] for m in results.values()) / len(results) for k in keys]
+    lines.append("| " + " | ".join(["average", ""] + [f"{v:.3f}" for v in avg]
+                                   + [""] * len(strata)) + " |")
+  return "\n".join(lines) + "\n"
