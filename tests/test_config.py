@@ -104,3 +104,26 @@ def test_rl_skip_sft_questions_needs_an_sft_prefix_and_leaves_the_rest():
   cfg.train.rl_skip_sft_questions, cfg.train.sft_questions = True, 5
   with pytest.raises(ConfigError, match="no question is left for RL"):
     build.rl_questions(cfg.train, list("abcde"))
+
+
+def test_apply_overrides_reads_values_by_the_fields_type():
+  """``section.field=value`` (gigrl-sweep --set, gigrl-eval --set): a Python literal, else a
+  string; true/false on a bool field; an int on a float field is a float; a list on a tuple
+  field is a tuple; an unknown field or a missing ``=`` is a ConfigError naming it."""
+  cfg = config_lib.base_config()
+  config_lib.apply_overrides(cfg, [
+      "--config.train.learning_rate=1", "rollout.max_turns=3", "search.backend=bm25",
+      "checkpoint.async_save=false", "data.pool.rule='recycle'"])
+  assert cfg.train.learning_rate == 1.0 and isinstance(cfg.train.learning_rate, float)
+  assert cfg.rollout.max_turns == 3 and cfg.search.backend == "bm25"
+  assert cfg.checkpoint.async_save is False and cfg.data.pool.rule == "recycle"
+  config_lib.apply_overrides(cfg, ["checkpoint.async_save=True"])
+  assert cfg.checkpoint.async_save is True
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  other = ml_collections.ConfigDict({"a": {"t": (1, 2), "s": "x"}})
+  config_lib.apply_overrides(other, ["a.t=[3, 4]", "a.s=not a literal"])
+  assert other.a.t == (3, 4) and other.a.s == "not a literal"
+  with pytest.raises(ConfigError, match="--set train.nope"):
+    config_lib.apply_overrides(cfg, ["train.nope=1"], what="--set")
+  with pytest.raises(ConfigError, match="SECTION.FIELD=VALUE"):
+    config_lib.apply_overrides(cfg, ["train.learning_rate"])

@@ -149,3 +149,41 @@ def test_held_out_em_by_hop_is_summarized_and_plotted(tmp_path):
   table = sweep.markdown(s, 0.3, 2)
   assert "| a | 2 | 2 | 0.600 ± 1.271 | 0.300 | +0.300 ± 1.271 |" in table
   assert sweep.plot(s, str(tmp_path / "p.png"))
+
+
+@pytest.mark.slow
+def test_a_run_stopped_by_sigterm_is_not_marked_done(tmp_path, monkeypatch):
+  """``launch``: SIGTERM during the run checkpoints and exits 3; no ``sweep_done.json`` is
+  written, so the next sweep reruns (resumes) it instead of counting it finished."""
+  # pylint: disable=g-import-not-at-top
+  import multiprocessing
+  import signal
+  import threading
+  import time
+  # pylint: enable=g-import-not-at-top
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  run = str(tmp_path / "run")
+  long = [o for o in TINY
+          if not o.startswith(("train.sft_steps", "train.num_steps", "checkpoint.every_steps"))]
+  long += ["train.sft_steps=100000", "train.num_steps=0", "checkpoint.every_steps=100000"]
+  out = {}
+  lines = []
+  t = threading.Thread(target=lambda: out.update(rc=sweep.launch(
+      os.path.join(ROOT, "configs/smoke.py"), long, run, lines.append)))
+  t.start()
+  log = os.path.join(run, "train.log")
+  deadline = time.time() + 300
+  while time.time() < deadline:     # the step loop has started (its signal handlers are in)
+    if os.path.exists(log) and "/100000 [" in open(log).read():
+      break
+    time.sleep(0.5)
+  children = multiprocessing.active_children()
+  assert len(children) == 1, "the run's process"
+  time.sleep(1.0)
+  os.kill(children[0].pid, signal.SIGTERM)
+  t.join(timeout=300)
+  assert out["rc"] == 3, open(log).read()[-2000:]
+  assert not os.path.exists(os.path.join(run, sweep.DONE))
+  assert "stopped at step" in open(log).read()
+  assert "stopped before its last step; rerun to resume" in lines[-1]
+  assert os.listdir(os.path.join(run, "checkpoints"))     # the SIGTERM checkpoint
