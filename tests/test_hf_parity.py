@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers",
                                    reason="transformers is needed for HF parity tests")
 
 from gigrl.models import extend, from_hf, init_cache, to_hf  # noqa: E402
+from gigrl.cli import convert as convert_cli  # noqa: E402
 from gigrl.models import convert, hf  # noqa: E402
 
 F32_TOL = 1e-4
@@ -130,7 +131,7 @@ def test_bf16_export_loads_in_transformers(pair, tmp_path):
 def test_convert_cli_round_trip(pair, tmp_path):
   _, path, _ = pair
   out = str(tmp_path / "orbax")
-  convert.run(["--hf_dir", path, "--out", out])
+  convert_cli.run(["--hf_dir", path, "--out", out])
   model, cfg = convert.load_converted(out)
   ref, _ = from_hf(path)
   toks = jnp.asarray(_tokens())

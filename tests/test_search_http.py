@@ -10,6 +10,7 @@ import urllib.parse
 import pytest
 
 from gigrl.data import qa
+from gigrl.cli import serve_retriever as serve_cli
 from gigrl.search import base, bm25, http_client, server
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -217,7 +218,7 @@ def test_cli_serves_a_corpus_file_as_a_subprocess(tmp_path):
       '{"id": "0", "contents": "\\"Evan Morris\\"\\nEvan Morris was a lobbyist."}\n'
       '{"id": "1", "contents": "\\"Oslo\\"\\nOslo is the capital of Norway."}\n')
   proc = subprocess.Popen(
-      [sys.executable, "-m", "gigrl.search.server", "--corpus", str(corpus),
+      [sys.executable, "-m", "gigrl.cli.serve_retriever", "--corpus", str(corpus),
        "--port", "0", "--host", "127.0.0.1", "--topk", "1"],
       cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
@@ -246,15 +247,15 @@ def test_cli_rejects_a_bad_corpus_and_bad_flags(tmp_path, capsys):
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"id": "0"}\n')
   with pytest.raises(SystemExit) as e:
-    server.run(["--corpus", str(bad), "--port", "0"])
+    serve_cli.run(["--corpus", str(bad), "--port", "0"])
   assert e.value.code == 2
   assert "bad.jsonl:1: field 'contents'" in capsys.readouterr().err
   for argv in (["--topk", "0"], ["--port", "70000"], ["--port", "x"]):
     with pytest.raises(SystemExit) as e:
-      server.run(argv)
+      serve_cli.run(argv)
     assert e.value.code == 2
   with pytest.raises(SystemExit) as e:
-    server.run(["--corpus", str(tmp_path / "missing.jsonl"), "--port", "0"])
+    serve_cli.run(["--corpus", str(tmp_path / "missing.jsonl"), "--port", "0"])
   assert e.value.code == 2
 
 
@@ -265,7 +266,7 @@ def test_cli_port_in_use_is_one_line(tmp_path, capsys):
   port = urllib.parse.urlsplit(url).port
   try:
     with pytest.raises(SystemExit) as e:
-      server.run(["--corpus", str(corpus), "--port", str(port)])
+      serve_cli.run(["--corpus", str(corpus), "--port", str(port)])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"gigrl-serve-retriever: error: cannot listen on 127.0.0.1:{port}")

