@@ -20,7 +20,6 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -191,10 +190,11 @@ def _reader(directory: epath.Path) -> ocp.CheckpointManager:
                                               "meta": ocp.JsonCheckpointHandler()})
 
 
-def _step_and_meta(manager, directory, step: int | None) -> tuple[int, dict[str, Any]]:
+def _step_and_meta(manager, directory, step: int | None, field: str = "train.init_from"
+                   ) -> tuple[int, dict[str, Any]]:
   steps = sorted(manager.all_steps()) if directory.exists() else []
   if not steps or (step is not None and step not in steps):
-    raise CheckpointError(f"train.init_from: {directory} has no checkpoint"
+    raise CheckpointError(f"{field}: {directory} has no checkpoint"
                           + (f" at step {step} (it has {steps})" if step is not None and steps
                              else ""))
   step = steps[-1] if step is None else step
@@ -202,17 +202,19 @@ def _step_and_meta(manager, directory, step: int | None) -> tuple[int, dict[str,
       meta=ocp.args.JsonRestore())).meta)
 
 
-def restore_meta(workdir: str | epath.PathLike, step: int | None) -> dict[str, Any]:
+def restore_meta(workdir: str | epath.PathLike, step: int | None,
+                 field: str = "train.init_from") -> dict[str, Any]:
   """The JSON metadata of another run's checkpoint (``step``, ``phase``, ``config``, and
   ``lora_base`` for a LoRA run); ``step`` None = the newest.
 
   Raises:
-    CheckpointError: no checkpoint there, or not the requested step.
+    CheckpointError: naming ``field`` (the flag or config field that pointed there): no
+      checkpoint there, or not the requested step.
   """
   directory = checkpoint_dir(workdir)
   manager = _reader(directory)
   try:
-    return _step_and_meta(manager, directory, step)[1]
+    return _step_and_meta(manager, directory, step, field)[1]
   finally:
     manager.close()
 

@@ -99,11 +99,11 @@ def _checkpoint_meta(workdir: str, step: int | None) -> tuple[int, dict[str, Any
   if not os.path.isdir(os.path.join(workdir, "checkpoints")):
     raise UserError(f"--workdir {workdir}: no checkpoints/ folder (not a gigrl-train "
                     "run directory, or no checkpoint written yet)")
+  what = f"--step {step}" if step is not None else f"--workdir {workdir}"
   try:
-    meta = ckpt_lib.restore_meta(workdir, step)
+    meta = ckpt_lib.restore_meta(workdir, step, field=what)
   except ckpt_lib.CheckpointError as e:
-    what = f"--step {step}" if step is not None else f"--workdir {workdir}"
-    raise UserError(f"{what}: {str(e).split(': ', 1)[-1]}") from None
+    raise UserError(str(e)) from None
   return int(meta["step"]), meta
 
 
