@@ -335,3 +335,22 @@ def test_rl_from_init_from_reuses_its_start_evaluation(tmp_path):
   assert "step 2: evaluating" not in err and "the evaluation of train.init_from" in err
   err = _train(other, f"--config.train.init_from={sft}", "--config.rollout.max_turns=1")
   assert "step 2: evaluating" in err
+
+
+def test_same_eval_fields_reads_a_missing_field_as_its_default():
+  """A config saved before a field existed agrees with one that has the field at its default
+  (so an evaluation made by the older run is reused), and differs when the value does not."""
+  import copy  # pylint: disable=import-outside-toplevel
+  from gigrl import config as config_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.training import evaluator  # pylint: disable=import-outside-toplevel
+  mine = json.loads(config_lib.base_config().to_json_best_effort())
+  older = copy.deepcopy(mine)
+  del older["rollout"]["max_turns"]
+  assert evaluator.same_eval_fields(older, mine)
+  assert evaluator.same_eval_fields(mine, older)
+  changed = copy.deepcopy(mine)
+  changed["rollout"]["max_turns"] += 1
+  assert not evaluator.same_eval_fields(older, changed)
+  changed = copy.deepcopy(mine)
+  changed["data"]["group_size"] += 1                    # EVAL_IGNORED: RL sampling only
+  assert evaluator.same_eval_fields(changed, mine)

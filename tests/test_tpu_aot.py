@@ -3,7 +3,14 @@
 libtpu (the `tpu` extra, `pip install -e .[test,tpu]`) describes a v5e slice on this CPU
 host (`jax.experimental.topologies`) and compiles the real programs for it, the Pallas
 splash-attention kernel included; nothing runs on a TPU.
+
+Every compile runs in a fresh spawned process (``_in_child``), as ``gigrl-compile`` does: libtpu
+is never loaded into the long-lived pytest worker, whose CPU backend has run hundreds of other
+tests, and a native abort in libtpu fails one test with its exit code instead of taking the
+worker (and under ``--dist loadfile``, pytest-xdist 3.8's scheduling) down with it.
 """
+import concurrent.futures
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -19,13 +26,9 @@ pytestmark = pytest.mark.slow   # TPU compiles: ~1-2 min on 2 busy cores
 @pytest.fixture(autouse=True)
 def _full_optimization(monkeypatch):
   """TPU programs compiled as `gigrl-compile` compiles them: conftest.py's
-  jax_disable_most_optimizations (LLVM level 0, for the CPU test programs) is turned off."""
-  import jax  # pylint: disable=import-outside-toplevel
+  jax_disable_most_optimizations (LLVM level 0, for the CPU test programs) is not passed on to
+  the compile processes."""
   monkeypatch.delenv("JAX_DISABLE_MOST_OPTIMIZATIONS", raising=False)
-  before = jax.config.values["jax_disable_most_optimizations"]
-  jax.config.update("jax_disable_most_optimizations", False)
-  yield
-  jax.config.update("jax_disable_most_optimizations", before)
 
 
 def _tiny_config():
@@ -42,18 +45,45 @@ def _tiny_config():
   return cfg
 
 
+def _child(fn, *args, **kwargs):
+  lines = []
+  if "log" in kwargs:
+    kwargs["log"] = lines.append
+  return fn(*args, **kwargs), lines
+
+
+def _num_devices(topology):
+  return len(compile_lib.topology_devices(topology))
+
+
+def _in_child(fn, *args, **kwargs):
+  """``fn(*args, **kwargs)`` (a module-level function) in a spawned process; returns (its
+  result, the lines it logged when ``log=`` is passed)."""
+  ctx = multiprocessing.get_context("spawn")
+  with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+    try:
+      return pool.submit(_child, fn, *args, **kwargs).result(timeout=900)
+    except concurrent.futures.process.BrokenProcessPool as e:
+      pytest.fail(f"the compile process died (a native crash in libtpu/XLA): {e}")
+
+
+def _compile(cfg, programs, log=False):
+  reports, lines = _in_child(compile_lib.compile_programs, cfg, "v5e-4", programs,
+                             log=[] if log else None)
+  return (reports, lines) if log else reports
+
+
 def test_topology_names():
   assert compile_lib.parse_topology("v5e-16") == ("v5e", "4x4")
   assert compile_lib.parse_topology("v5p-8") == ("v5p", "2x2x1")
   assert compile_lib.parse_topology("v6e:2x4") == ("v6e", "2x4")
   with pytest.raises(compile_lib.CompileError, match="v5e-16"):
     compile_lib.parse_topology("v5e-12")
-  assert len(compile_lib.topology_devices("v5e-4")) == 4
+  assert _in_child(_num_devices, "v5e-4")[0] == 4
 
 
 def test_rl_step_and_decode_compile_for_v5e_with_splash():
-  reports = compile_lib.compile_programs(_tiny_config(), "v5e-4", ("rl_step", "decode"),
-                                         log=None)
+  reports = _compile(_tiny_config(), ("rl_step", "decode"))
   by_name = {r.name: r for r in reports}
   rl, dec = by_name["rl_step"], by_name["decode"]
   assert rl.shapes == "8 rows x 80 tokens"
@@ -66,7 +96,7 @@ def test_rl_step_and_decode_compile_for_v5e_with_splash():
   # attention="xla" compiles the same step without kernels.
   cfg = _tiny_config()
   cfg.model.attention = "xla"
-  (xla,) = compile_lib.compile_programs(cfg, "v5e-4", ("rl_step",), log=None)
+  (xla,) = _compile(cfg, ("rl_step",))
   assert xla.kernels == 0
 
 
@@ -92,8 +122,7 @@ def test_ppo_mini_and_micro_batches_compile_the_accumulating_step():
   cfg.train.ppo_mini_batch_size = 2      # prompts: 4 rows per update
   cfg.train.micro_batch_size = 4         # rows: no accumulation split below the mesh
   cfg.data.prompts_per_step = 4
-  reports = compile_lib.compile_programs(cfg, "v5e-4", ("rl_step", "old_logprobs"),
-                                         log=None)
+  reports = _compile(cfg, ("rl_step", "old_logprobs"))
   rl, old = reports
   assert (rl.name, rl.shapes) == ("rl_step", "4 rows (1 x 4) x 80 tokens")
   assert (old.name, old.shapes) == ("old_logprobs", "8 rows (2 x 4) x 80 tokens")
@@ -103,13 +132,10 @@ def test_ppo_mini_and_micro_batches_compile_the_accumulating_step():
 def test_lora_train_step_compiles_with_adapter_only_optimizer_state():
   """model.lora: the RL update compiles on a v5e slice (adapters sharded after their base
   matrices), and the optimizer state the log line reports is the adapters' alone."""
-  lines = []
   cfg = _tiny_config()
   cfg.model.lora.rank = 8
-  (rl,) = compile_lib.compile_programs(cfg, "v5e-4", ("rl_step",), log=lines.append)
-  full_lines = []
-  compile_lib.compile_programs(_tiny_config(), "v5e-4", ("rl_step",),
-                               log=full_lines.append)
+  (rl,), lines = _compile(cfg, ("rl_step",), log=True)
+  _, full_lines = _compile(_tiny_config(), ("rl_step",), log=True)
   assert rl.fits and rl.kernels >= 2
   state, full = lines[0], full_lines[0]
   assert "LoRA rank 8" in state and "reference 0 GiB" in state, state

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import jax
 from etils import epath
 
+from gigrl import config as config_lib
 from gigrl.data import qa as qa_lib
 from gigrl.rollout import hosts
 from gigrl.training import build
@@ -54,8 +55,21 @@ def _dotted(tree: dict[str, Any], field: str) -> Any:
   return tree
 
 
+def _over_defaults(tree: Any, defaults: Any) -> Any:
+  """``tree`` with the keys it lacks taken from ``defaults`` (nested dicts merged)."""
+  if not (isinstance(tree, dict) and isinstance(defaults, dict)):
+    return tree
+  return {**defaults, **{k: _over_defaults(v, defaults.get(k)) for k, v in tree.items()}}
+
+
 def same_eval_fields(theirs: dict[str, Any], mine: dict[str, Any]) -> bool:
-  """Whether two runs' configs (JSON dicts) agree on every field an evaluation reads."""
+  """Whether two runs' configs (JSON dicts) agree on every field an evaluation reads.
+
+  A field missing from either (a config saved before the field existed) counts as its
+  default in ``config.base_config()``, which is what that run used.
+  """
+  defaults = json.loads(config_lib.base_config().to_json_best_effort())
+  theirs, mine = _over_defaults(theirs, defaults), _over_defaults(mine, defaults)
   for field in EVAL_FIELDS:
     a, b = _dotted(theirs, field), _dotted(mine, field)
     if isinstance(a, dict) and isinstance(b, dict):
