@@ -31,7 +31,9 @@ CORE = [
 # nbclient + ipykernel: tests/test_notebooks.py runs each notebook through a real kernel.
 # pytest-xdist: the suite runs one worker per core (pytest.ini: -n auto --dist loadfile).
 # pytest-timeout: a test that hangs fails with every thread's stack (pytest.ini: timeout).
-TEST = ["pytest>=8", "pytest-xdist>=3.7", "pytest-timeout>=2.3", "hypothesis>=6.100",
+# pytest-rerunfailures: a test whose worker process died runs once more (pytest.ini).
+TEST = ["pytest>=8", "pytest-xdist>=3.7", "pytest-timeout>=2.3", "pytest-rerunfailures>=16",
+        "hypothesis>=6.100",
         "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"]
 # accelerate: transformers' own GGUF loader needs it (the GGUF parity tests' reference).
 HF = ["torch==2.13.0", "transformers>=4.50", "accelerate>=1.0", "peft>=0.13"]

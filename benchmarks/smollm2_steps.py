@@ -2,6 +2,8 @@
 
   python benchmarks/smollm2_steps.py --init_from runs/countries_smollm2/sft   # a warm-start
   python benchmarks/smollm2_steps.py --quick                                  # 2 SFT steps only
+  python benchmarks/smollm2_steps.py --init_from runs/countries_smollm2/sft --sft_steps 0 \
+      --set model.lora.rank=16 --set model.lora.alpha=32.0     # RL only, a LoRA setting
 
 Runs `gigrl-train --config configs/countries.py:smollm2-135m` in a subprocess for a few SFT
 steps, then (with --init_from, a run at the end of its SFT) a few RL steps from that
@@ -16,7 +18,10 @@ which compiles, is left out). For each phase it prints:
 * the floor: the same step's weight GEMMs alone (`_gemm_floor.train_gemm_seconds`: forward,
   dX and dW of every kernel and the LM head, timed at 2,048 token rows and scaled linearly to
   the step's trained tokens) and the step's (RL: the update's) time over it;
-* peak RSS of the training process (ru_maxrss of the child).
+* peak RSS of that phase's training process (ru_maxrss of that child alone, os.wait4).
+
+``--set FIELD=VALUE`` (repeatable) passes config overrides to both phases (e.g. LoRA);
+``--sft_steps 0`` skips the SFT phase.
 
 Needs the fetched checkpoint (`gigrl-fetch smollm2-135m-instruct`).
 """
@@ -25,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -58,13 +62,16 @@ def train_run(workdir: str, overrides: list[str]) -> tuple[list[dict], float, fl
   cmd = [sys.executable, "-m", "gigrl.cli.train", "--config", CONFIG, "--workdir", workdir,
          *overrides]
   t0 = time.perf_counter()
-  before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-  wall = time.perf_counter() - t0
-  if proc.returncode:
-    sys.exit(f"smollm2_steps: gigrl-train failed (exit {proc.returncode}):\n"
-             + proc.stderr[-2000:])
-  rss = max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 2 ** 20
+  with tempfile.TemporaryFile("w+") as err:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True)
+    _, status, usage = os.wait4(proc.pid, 0)       # this child's own rusage
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+      err.seek(0)
+      sys.exit(f"smollm2_steps: gigrl-train failed (exit {proc.returncode}):\n"
+               + err.read()[-2000:])
+  rss = usage.ru_maxrss / 2 ** 20                  # KiB -> GiB
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f if line.strip()]
   return rows, wall, rss
@@ -92,7 +99,10 @@ def main():
   p.add_argument("--rl_steps", type=int, default=3)
   p.add_argument("--init_from", default="", help="a run at the end of its SFT (for RL)")
   p.add_argument("--quick", action="store_true", help="2 SFT steps, no RL")
+  p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                 help="a config override for both phases (repeatable), e.g. model.lora.rank=16")
   a = p.parse_args()
+  extra = [f"--config.{kv}" for kv in a.set]
   if a.quick:
     a.sft_steps, a.init_from = 2, ""
   from gigrl.models import fetch  # pylint: disable=g-import-not-at-top
@@ -105,15 +115,19 @@ def main():
   print(f"machine: {os.cpu_count()} cores, jax {jax.__version__} on {jax.devices()[0].platform}"
         f"; measured f32 GEMM peak {peak / 1e9:.1f} GFLOP/s; model N = {n / 1e6:.1f}M")
   results = {}
+  if a.set:
+    print("overrides: " + " ".join(a.set))
   with tempfile.TemporaryDirectory() as tmp:
-    rows, wall, rss = train_run(os.path.join(tmp, "sft"), [
-        f"--config.train.sft_steps={a.sft_steps}", "--config.train.num_steps=0",
-        "--config.train.eval_questions=0", "--config.checkpoint.every_steps=1000"])
-    results["sft"] = {**phase_stats(rows, "sft", n, peak), "peak_rss_gib": rss, "wall_s": wall}
+    if a.sft_steps:
+      rows, wall, rss = train_run(os.path.join(tmp, "sft"), [
+          f"--config.train.sft_steps={a.sft_steps}", "--config.train.num_steps=0",
+          "--config.train.eval_questions=0", "--config.checkpoint.every_steps=1000", *extra])
+      results["sft"] = {**phase_stats(rows, "sft", n, peak), "peak_rss_gib": rss,
+                        "wall_s": wall}
     if a.init_from:
       rows, wall, rss = train_run(os.path.join(tmp, "rl"), [
           f"--config.train.init_from={a.init_from}", f"--config.train.num_steps={a.rl_steps}",
-          "--config.train.eval_questions=0", "--config.checkpoint.every_steps=1000"])
+          "--config.train.eval_questions=0", "--config.checkpoint.every_steps=1000", *extra])
       results["rl"] = {**phase_stats(rows, "rl", n, peak), "peak_rss_gib": rss, "wall_s": wall}
   # GEMM time is linear in the rows: time FLOOR_ROWS of them once and scale (an RL step's rows
   # at once need ~24 GB of random operands; a second timing beside the first's buffers too)
@@ -133,7 +147,7 @@ def main():
           f"{r['train_tokens_per_s']:.0f} | {r['mfu']:.1%} | {floor:.1f} | {upd / floor:.2f}x"
           f"{' (update)' if phase == 'rl' else ''} | "
           f"{r.get('rollout_tokens_per_s') or 0:.0f} | {r['peak_rss_gib']:.1f} |")
-  print(json.dumps({"peak_flops": peak, "num_params": n, **results}))
+  print(json.dumps({"peak_flops": peak, "num_params": n, "overrides": a.set, **results}))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
@@ -68,3 +70,24 @@ def pytest_collection_modifyitems(items):
   """Longest test files first (a stable sort: the rest keep their order)."""
   rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+  """``--dist loadfile`` whose dead workers' tests are re-queued instead of hanging the run
+  (tests/_xdist_crash_retry.py); any other --dist is xdist's own."""
+  if config.getvalue("dist") != "loadfile":
+    return None
+  from _xdist_crash_retry import CrashSafeLoadFile  # pylint: disable=import-outside-toplevel
+  return CrashSafeLoadFile(config, log)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+  """Fails the run when tests were left unrun because workers kept dying."""
+  sched = getattr(session.config.pluginmanager.getplugin("dsession"), "sched", None)
+  left = sched.unfinished() if hasattr(sched, "unfinished") else []
+  if left:
+    print(f"\nconftest.py: {len(left)} test(s) never finished (workers died): "
+          + ", ".join(left[:10]))
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
