@@ -16,13 +16,15 @@ crashed test back (``mark_test_pending`` raises), so pytest-rerunfailures cannot
 * ``_reschedule``: a worker is never left holding a single test with more work queued (a worker
   runs a test only once it knows the next one, or is told to shut down).
 
-``unfinished`` lists what never ran when the run stopped at ``--max-worker-restart``: conftest.py
-then fails the session (xdist alone would exit 0 with a rerun still queued).
+``unfinished`` lists what never ran when the run stopped at ``--max-worker-restart``; this
+module's ``pytest_sessionfinish`` then fails the session (xdist alone would exit 0 with a rerun
+still queued). tests/conftest.py imports the two hooks.
 
 The file-level grouping, and so each file's module fixtures built once per worker, is unchanged.
 """
 from __future__ import annotations
 
+import pytest
 from xdist.scheduler import LoadFileScheduling
 
 
@@ -76,3 +78,22 @@ class CrashSafeLoadFile(LoadFileScheduling):
       self._assign_work_unit(node)
     if not self.workqueue:
       node.shutdown()
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+  """``CrashSafeLoadFile`` for ``--dist loadfile``; any other --dist is xdist's own."""
+  if config.getvalue("dist") != "loadfile":
+    return None
+  return CrashSafeLoadFile(config, log)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+  """Fails the run when tests were left unrun because workers kept dying."""
+  sched = getattr(session.config.pluginmanager.getplugin("dsession"), "sched", None)
+  left = sched.unfinished() if isinstance(sched, CrashSafeLoadFile) else []
+  if left:
+    print(f"\n{__name__}: {len(left)} test(s) never finished (workers died): "
+          + ", ".join(left[:10]))
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

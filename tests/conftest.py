@@ -15,7 +15,6 @@ import os
 import shutil
 import tempfile
 
-import pytest
 
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
@@ -72,22 +71,7 @@ def pytest_collection_modifyitems(items):
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
-@pytest.hookimpl(optionalhook=True, tryfirst=True)
-def pytest_xdist_make_scheduler(config, log):
-  """``--dist loadfile`` whose dead workers' tests are re-queued instead of hanging the run
-  (tests/_xdist_crash_retry.py); any other --dist is xdist's own."""
-  if config.getvalue("dist") != "loadfile":
-    return None
-  from _xdist_crash_retry import CrashSafeLoadFile  # pylint: disable=import-outside-toplevel
-  return CrashSafeLoadFile(config, log)
 
-
-@pytest.hookimpl(trylast=True)
-def pytest_sessionfinish(session):
-  """Fails the run when tests were left unrun because workers kept dying."""
-  sched = getattr(session.config.pluginmanager.getplugin("dsession"), "sched", None)
-  left = sched.unfinished() if hasattr(sched, "unfinished") else []
-  if left:
-    print(f"\nconftest.py: {len(left)} test(s) never finished (workers died): "
-          + ", ".join(left[:10]))
-    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+# --dist loadfile with a worker that dies: its test reruns once, the run never hangs, and a run
+# stopped by dead workers fails (tests/_xdist_crash_retry.py; pytest.ini).
+from _xdist_crash_retry import pytest_sessionfinish, pytest_xdist_make_scheduler  # noqa: E402,F401
