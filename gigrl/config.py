@@ -50,6 +50,13 @@ def rollout_config() -> ml_collections.ConfigDict:
   c.top_p = 1.0
   c.top_k = 0
   c.greedy = False
+  # What a rollout computes (each a switch, so a run or benchmark compares it on and off; every
+  # one on gives the same trajectories as every one off, up to float rounding; docs/architecture.md):
+  c.prefill_once_per_group = True   # identical prompts (a group's G samples) prefilled once, KV rows copied
+  c.shared_prefix = True       # the batch's common prompt prefix (system turn, instruction) prefilled once
+  c.compact_rows = True        # observation extends and decode turns compute only the rows that need them
+  c.slot_bucket = 128          # attention and cache copies read written slots only, rounded up to this; 0 = all
+  c.width_bucket = 32          # prompt / observation widths rounded up to this; 0 = max_prompt / max_obs_tokens
   return c
 
 
@@ -68,6 +75,9 @@ def train_config() -> ml_collections.ConfigDict:
   c.ppo_epochs = 1             # passes over the step's rows
   c.micro_batch_size = 0       # rows per gradient-accumulation micro-batch; 0 = the mini-batch
   c.shuffle = True             # permute rows each epoch (seed, step, epoch) with > 1 mini-batch
+  c.trim_update_padding = True  # the update's width W and LM-head positions K from the trained
+                               # rows (bucketed), not the filler rows / generation budget; the
+                               # same loss (gigrl.update.step.rl_update); False = the old shapes
   c.weight_decay = 0.01
   c.b1, c.b2 = 0.9, 0.999
   c.eps = 1e-8                 # AdamW epsilon (optax's and torch's default)
@@ -167,6 +177,8 @@ def _validate_rollout(cfg):
   check_range(cfg, "rollout.temperature", 0.0, lo_open=True)
   check_range(cfg, "rollout.top_p", 0.0, 1.0, lo_open=True)
   check_range(cfg, "rollout.top_k", 0, integer=True)
+  check_range(cfg, "rollout.slot_bucket", 0, integer=True)
+  check_range(cfg, "rollout.width_bucket", 0, integer=True)
 
 
 def _validate_train(cfg):
@@ -182,6 +194,7 @@ def _validate_train(cfg):
   check_range(cfg, "train.ppo_epochs", 1, integer=True)
   check_range(cfg, "train.micro_batch_size", 0, integer=True)
   check_choice(cfg, "train.shuffle", (True, False))
+  check_choice(cfg, "train.trim_update_padding", (True, False))
   p, g = int(get_field(cfg, "data.prompts_per_step")), int(get_field(cfg, "data.group_size"))
   mini = int(get_field(cfg, "train.ppo_mini_batch_size")) or p
   if p % mini:

@@ -33,8 +33,13 @@ class ScriptedPolicy:
   def __init__(self, tok, script):
     self.tok, self.script, self.turn = tok, script, 0
 
-  def extend_last(self, graphdef, state, cache, tokens, lengths, prev_logits):
+  def extend_last(self, graphdef, state, cache, tokens, lengths, prev_logits, rows=None,
+                  **kw):
     return prev_logits, cache
+
+  @staticmethod
+  def copy_rows(cache, logits, src, dst):
+    return cache, logits
 
   def decode(self, graphdef, state, cache, logits, key, active, budget, *, max_new_tokens,
              **kw):
@@ -80,6 +85,7 @@ def _run(monkeypatch, tok, script, max_turns=2):
   policy = ScriptedPolicy(tok, script)
   monkeypatch.setattr(host_loop.sampler_lib, "extend_last", policy.extend_last)
   monkeypatch.setattr(host_loop.sampler_lib, "decode", policy.decode)
+  monkeypatch.setattr(host_loop.sampler_lib, "copy_rows", policy.copy_rows)
   monkeypatch.setattr(host_loop.tfm, "init_cache", lambda *a, **k: None)
   settings = dataclasses.replace(SETTINGS, max_turns=max_turns)
   retriever = FakeRetriever()
@@ -175,6 +181,7 @@ def test_retriever_returning_too_few_lists_is_an_error(monkeypatch, tok):
   policy = ScriptedPolicy(tok, SCRIPT)
   monkeypatch.setattr(host_loop.sampler_lib, "extend_last", policy.extend_last)
   monkeypatch.setattr(host_loop.sampler_lib, "decode", policy.decode)
+  monkeypatch.setattr(host_loop.sampler_lib, "copy_rows", policy.copy_rows)
   monkeypatch.setattr(host_loop.tfm, "init_cache", lambda *a, **k: None)
   engine = host_loop.HostLoopEngine(_Cfg(), None, tok, Short(), SETTINGS)
   with pytest.raises(ValueError, match="1 queries"):
@@ -263,6 +270,7 @@ def test_rollout_reproduces_a_demonstration(monkeypatch, tok):
   policy = ScriptedPolicy(tok, script)
   monkeypatch.setattr(host_loop.sampler_lib, "extend_last", policy.extend_last)
   monkeypatch.setattr(host_loop.sampler_lib, "decode", policy.decode)
+  monkeypatch.setattr(host_loop.sampler_lib, "copy_rows", policy.copy_rows)
   monkeypatch.setattr(host_loop.tfm, "init_cache", lambda *a, **k: None)
   engine = host_loop.HostLoopEngine(_Cfg(), None, tok, FakeRetriever(), SETTINGS)
   batch, _ = engine.run(None, [q.question for q in qs], _key())

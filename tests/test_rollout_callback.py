@@ -191,8 +191,13 @@ class ScriptedHostPolicy:
   def __init__(self, script, stops):
     self.script, self.stops, self.turn = script, stops, 0
 
-  def extend_last(self, graphdef, state, cache, tokens, lengths, prev_logits):
+  def extend_last(self, graphdef, state, cache, tokens, lengths, prev_logits, rows=None,
+                  **kw):
     return prev_logits, cache
+
+  @staticmethod
+  def copy_rows(cache, logits, src, dst):
+    return cache, logits
 
   def decode(self, graphdef, state, cache, logits, key, active, budget, *, max_new_tokens,
              **kw):
@@ -259,6 +264,7 @@ def _check_scripted(engine, state, script, tok, settings, monkeypatch):
     policy = ScriptedHostPolicy(script, stops)
     m.setattr(host_loop.sampler_lib, "extend_last", policy.extend_last)
     m.setattr(host_loop.sampler_lib, "decode", policy.decode)
+    m.setattr(host_loop.sampler_lib, "copy_rows", policy.copy_rows)
     m.setattr(host_loop.tfm, "init_cache", lambda *a, **k: None)
     ref, _ = host_loop.HostLoopEngine(engine.model_cfg, None, tok, host_retriever,
                                       settings).run(None, questions, jax.random.key(1))

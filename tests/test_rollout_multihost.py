@@ -6,6 +6,10 @@ gets back equal the matching rows of a 1-process x 4-device run (greedy decoding
 runs must agree token for token); each process sent only its own rows' queries, and the server
 received exactly the reference run's queries.
 
+The host loop runs with every rollout saving on and with every one off (a group's prompt
+prefilled once, the common prefix once, compacted rows, bucketed widths and slot spans):
+both equal the reference.
+
 Run as a script, this file is the worker: ``python tests/test_rollout_multihost.py OUT NPROC
 PROC_ID PORT URL`` (NPROC=1: the single-process reference on 4 devices).
 """
@@ -18,7 +22,8 @@ import sys
 import pytest
 
 GLOBAL_ROWS = 8
-ENGINES = ("host_loop", "callback")
+# host_loop with every rollout saving on (the default) and off (rollout.* switches): the same rows.
+ENGINES = ("host_loop", "host_loop_off", "callback")
 
 
 class _Counting:
@@ -60,13 +65,17 @@ def worker(out: str, nproc: int, proc_id: int, port: int, url: str) -> None:
   params = sharding_lib.shard_state(jax.tree.map(np.asarray, state), mesh, "fsdp")
   settings = engine_lib.RolloutSettings(max_turns=2, max_new_tokens=12, max_obs_tokens=64,
                                         max_prompt_tokens=192, topk_docs=2, greedy=True)
-  questions = [q.question for q in qa.load_bundled_questions()[:GLOBAL_ROWS]]
+  # Groups of 2 (a group's prompt is prefilled once) and 4 distinct questions.
+  qs = [q.question for q in qa.load_bundled_questions()[:6]]
+  questions = [qs[0], qs[0], qs[1], qs[1], qs[2], qs[3], qs[4], qs[5]]
   per = GLOBAL_ROWS // nproc
   mine = questions[proc_id * per:(proc_id + 1) * per]
   result = {}
   for kind in ENGINES:
     retriever = _Counting(HttpRetriever(url, timeout_s=60))
-    engine = engine_lib.make_engine(kind, cfg, graphdef, tok, retriever, settings, mesh=mesh)
+    engine = engine_lib.make_engine(kind.removesuffix("_off"), cfg, graphdef, tok, retriever,
+                                    settings.all_off() if kind.endswith("_off") else settings,
+                                    mesh=mesh)
     batch, metrics = engine.run(params, mine, jax.random.key(0))   # no ambient mesh needed
     result[kind] = {
         "tokens": batch.tokens.tolist(), "loss_mask": batch.loss_mask.tolist(),
@@ -120,7 +129,7 @@ def test_two_processes_equal_one_process(tmp_path, server):
   backend, url = server
   (ref,) = _launch(tmp_path, 1, url)
   assert sorted(sum(backend.calls, [])) == sorted(
-      ref["host_loop"]["queries"] + ref["callback"]["queries"])
+      q for kind in ENGINES for q in ref[kind]["queries"])
   backend.calls.clear()
   parts = _launch(tmp_path, 2, url)
   per = GLOBAL_ROWS // 2
@@ -141,6 +150,7 @@ def test_two_processes_equal_one_process(tmp_path, server):
   assert sorted(sum(backend.calls, [])) == sorted(
       q for part in parts for kind in ENGINES for q in part[kind]["queries"])
   assert ref["host_loop"]["tokens"] == ref["callback"]["tokens"]
+  assert ref["host_loop"]["tokens"] == ref["host_loop_off"]["tokens"]
 
 
 def _queries(texts: list[str], max_turns: int = 2) -> list[str]:

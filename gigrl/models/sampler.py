@@ -98,23 +98,114 @@ def _extend_once(model, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
   return jnp.where((lengths > 0)[:, None], logits, prev_logits), cache
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+# --------------------------------------------------------------------------- row and slot views
+
+
+def span_slots(needed: int, max_len: int, bucket: int) -> int | None:
+  """Cache slots a call must see: ``needed`` rounded up to a multiple of ``bucket``.
+
+  Args:
+    needed: the highest slot count any row reaches in the call (its cache length after it).
+    max_len: S_max, the cache's slots per row.
+    bucket: the rounding multiple (``rollout.slot_bucket``); 0 = the whole cache.
+  Returns:
+    A static span < S_max, or None for the whole cache (a few distinct values: one compiled
+    program each).
+  """
+  if bucket <= 0:
+    return None
+  span = -(-max(int(needed), 1) // int(bucket)) * int(bucket)
+  return None if span >= max_len else span
+
+
+def take_rows(cache: KVCache, rows: jax.Array | None, span: int | None) -> KVCache:
+  """The sub-cache of ``rows`` (i32[R]; index >= B = an empty row) over slots [0, span).
+
+  ``rows=None`` keeps every row; ``span=None`` every slot. Pure indexing (no copy when both
+  are None).
+  """
+  k, v, pos = cache.k, cache.v, cache.pos
+  if span is not None:
+    k, v = k[:, :, :span], v[:, :, :span]
+  if rows is not None:
+    k = k.at[:, rows].get(mode="fill", fill_value=0)
+    v = v.at[:, rows].get(mode="fill", fill_value=0)
+    pos = pos.at[rows].get(mode="fill", fill_value=0)
+  return KVCache(k, v, pos)
+
+
+def put_rows(cache: KVCache, rows: jax.Array | None, span: int | None, sub: KVCache) -> KVCache:
+  """Writes ``sub`` (from :func:`take_rows` with the same ``rows``, ``span``) back into
+  ``cache``; rows >= B are dropped. In place when ``cache`` is donated."""
+  if rows is None and span is None:
+    return sub
+  if rows is None:
+    zero = (0,) * cache.k.ndim
+    return KVCache(jax.lax.dynamic_update_slice(cache.k, sub.k, zero),
+                   jax.lax.dynamic_update_slice(cache.v, sub.v, zero), sub.pos)
+  sl = slice(None) if span is None else slice(0, span)
+  return KVCache(cache.k.at[:, rows, sl].set(sub.k, mode="drop"),
+                 cache.v.at[:, rows, sl].set(sub.v, mode="drop"),
+                 cache.pos.at[rows].set(sub.pos, mode="drop"))
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,),
+                   static_argnames=("span",))
 def extend_last(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
                 tokens: jax.Array, lengths: jax.Array,
-                prev_logits: jax.Array) -> tuple[jax.Array, KVCache]:
+                prev_logits: jax.Array, rows: jax.Array | None = None, *,
+                span: int | None = None) -> tuple[jax.Array, KVCache]:
   """Extends the cache and returns logits at each row's last new token.
+
+  With ``rows`` only those cache rows are computed (row compaction: observation extends of
+  the rows that have one, a group's prompt once); with ``span`` attention and the cache
+  copies cover slots [0, span) only. Both give the same cache and logits as the full call,
+  up to float rounding, as long as every row's new tokens end below ``span``.
 
   Args:
     graphdef, state: from `nnx.split(model)`.
-    cache: KVCache (donated).
-    tokens: i32[B, C] right-padded new tokens.
-    lengths: i32[B] number of valid tokens per row (0 = row unchanged).
-    prev_logits: f32[B, V], returned for rows with lengths == 0.
+    cache: KVCache with B rows (donated).
+    tokens: i32[B, C] right-padded new tokens; i32[R, C] with ``rows``.
+    lengths: i32[B] (or i32[R]) number of valid tokens per row (0 = row unchanged).
+    prev_logits: f32[B, V], returned for rows with lengths == 0 and rows not in ``rows``.
+    rows: optional i32[R] cache rows the tokens belong to; entries >= B are padding.
+    span: static slot count (:func:`span_slots`), None = all S_max slots.
   Returns:
     (next_logits f32[B, V], cache).
   """
   model = nnx.merge(graphdef, state)
-  return model_extend_last(model, cache, tokens, lengths.astype(jnp.int32), prev_logits)
+  lengths = lengths.astype(jnp.int32)
+  sub = take_rows(cache, rows, span)
+  if rows is None:
+    logits, sub = model_extend_last(model, sub, tokens, lengths, prev_logits)
+    return logits, put_rows(cache, None, span, sub)
+  prev = prev_logits.at[rows].get(mode="fill", fill_value=0)
+  logits, sub = model_extend_last(model, sub, tokens, lengths, prev)
+  return prev_logits.at[rows].set(logits, mode="drop"), put_rows(cache, rows, span, sub)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def copy_rows(cache: KVCache, logits: jax.Array, src: jax.Array, dst: jax.Array
+              ) -> tuple[KVCache, jax.Array]:
+  """Copies cache rows and their next-token logits: row ``dst[i]`` becomes row ``src[i]``.
+
+  How a group's G samples share one prefill (and a batch its common prefix): the prompt is
+  extended on one row, then copied. vLLM's prefix caching and SGLang's RadixAttention share
+  the blocks instead; a copy keeps every row's cache contiguous and the model code unchanged.
+
+  Args:
+    cache: KVCache with B rows (donated).
+    logits: f32[B, V] next-token logits (donated).
+    src, dst: i32[N] row indices; ``dst`` entries >= B are padding (dropped), ``dst`` rows
+      distinct and never a ``src`` row.
+  Returns:
+    (cache, logits) with the rows copied (all S_max slots, ``pos`` included).
+  """
+  src = jnp.clip(src, 0, logits.shape[0] - 1)
+  k = cache.k.at[:, dst].set(cache.k[:, src], mode="drop")
+  v = cache.v.at[:, dst].set(cache.v[:, src], mode="drop")
+  pos = cache.pos.at[dst].set(cache.pos[src], mode="drop")
+  return KVCache(k, v, pos), logits.at[dst].set(logits[src], mode="drop")
 
 
 # --------------------------------------------------------------------------- sampling
@@ -156,7 +247,8 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature, *, top_k: int 
                   row_max: jax.Array | None = None) -> jax.Array:
   """logits f32[B, V] -> i32[B].
 
-  Greedy = first argmax; otherwise the Gumbel-max trick (argmax of logits plus
+  ``key`` is one PRNG key, or one per row (:func:`row_keys`; each row's noise is drawn from
+  its own key). Greedy = first argmax; otherwise the Gumbel-max trick (argmax of logits plus
   Gumbel(0, 1) noise samples softmax(logits); Gumbel 1954, Maddison et al. 2014)
   over the filtered logits, drawing the same noise as
   `jax.random.categorical(key, x)` (identical samples).
@@ -165,7 +257,31 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature, *, top_k: int 
   if greedy:
     return first_argmax(logits, row_max)
   x = filter_logits(logits, temperature, top_k=top_k, top_p=top_p)
-  return first_argmax(x + jax.random.gumbel(key, x.shape, x.dtype))
+  if _is_key_batch(key, x.shape[0]):
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, x.shape[1:], x.dtype))(key)
+  else:
+    noise = jax.random.gumbel(key, x.shape, x.dtype)
+  return first_argmax(x + noise)
+
+
+def _is_key_batch(key: jax.Array, rows: int) -> bool:
+  """Is ``key`` one PRNG key per row ([B] typed keys or u32[B, 2] raw ones)?"""
+  typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+  return key.ndim == (1 if typed else 2) and key.shape[0] == rows
+
+
+def row_keys(key: jax.Array, row_ids: jax.Array, step: jax.Array) -> jax.Array:
+  """Per-row keys of decode step ``step``: ``fold_in(fold_in(key, row_id), step)``.
+
+  A row's samples then depend only on (key, its global row id, the step), never on which
+  other rows are computed with it: row compaction does not change what a row samples.
+
+  Args:
+    key: the turn's PRNG key; row_ids: i32[B] global row ids; step: i32[] decode step.
+  Returns:
+    B keys (typed or raw, as ``key``).
+  """
+  return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, r), step))(row_ids)
 
 
 def stop_hit(window: jax.Array, stops: jax.Array) -> jax.Array:
@@ -306,11 +422,20 @@ def _kv_pos(kv):
 
 @functools.partial(
     jax.jit, static_argnums=(0,), donate_argnums=(2,),
-    static_argnames=("max_new_tokens", "top_k", "top_p", "greedy"))
+    static_argnames=("max_new_tokens", "top_k", "top_p", "greedy", "span"))
 def _decode(graphdef, state, cache, next_logits, rng, active, budget, stops,
-            temperature, *, max_new_tokens, top_k, top_p, greedy):
+            temperature, rows, row_ids, *, max_new_tokens, top_k, top_p, greedy, span):
   model = nnx.merge(graphdef, state)
-  b, n = next_logits.shape[0], max_new_tokens
+  full_b, n = next_logits.shape[0], max_new_tokens
+  full_cache, full_logits = cache, next_logits
+  cache = take_rows(cache, rows, span)
+  if rows is not None:
+    next_logits = next_logits.at[rows].get(mode="fill", fill_value=0)
+    active = active.at[rows].get(mode="fill", fill_value=False)
+    budget = budget.at[rows].get(mode="fill", fill_value=0)
+    if row_ids is not None:
+      row_ids = row_ids.at[rows].get(mode="fill", fill_value=0)
+  b = next_logits.shape[0]
   s_max = cache.max_len
   kv0, feed, finish = _kv_ops(model, cache)
 
@@ -319,6 +444,8 @@ def _decode(graphdef, state, cache, next_logits, rng, active, budget, stops,
 
   def body(c: _Carry) -> _Carry:
     key, sub = jax.random.split(c.key)
+    if row_ids is not None:
+      sub = row_keys(rng, row_ids, c.i)
     act = live(c)
     out = decode_step(feed, c.kv, c.logits, c.window, act, sub, stops, temperature,
                       top_k=top_k, top_p=top_p, greedy=greedy)
@@ -342,8 +469,17 @@ def _decode(graphdef, state, cache, next_logits, rng, active, budget, stops,
       lengths=jnp.zeros((b,), jnp.int32), stopped=jnp.zeros((b,), bool),
       window=jnp.full((b, stops.shape[1]), -2, jnp.int32))
   c = jax.lax.while_loop(cond, body, c0)
-  return DecodeOut(c.tokens, c.logprobs, c.mask, c.lengths, c.stopped, finish(c.kv),
-                   c.logits)
+  out_cache = put_rows(full_cache, rows, span, finish(c.kv))
+  if rows is None:
+    return DecodeOut(c.tokens, c.logprobs, c.mask, c.lengths, c.stopped, out_cache,
+                     c.logits)
+
+  def scatter(x, fill):
+    return jnp.full((full_b,) + x.shape[1:], fill, x.dtype).at[rows].set(x, mode="drop")
+  return DecodeOut(scatter(c.tokens, PAD_TOKEN), scatter(c.logprobs, 0.0),
+                   scatter(c.mask, False), scatter(c.lengths, 0), scatter(c.stopped, False),
+                   out_cache, full_logits.astype(jnp.float32).at[rows].set(c.logits,
+                                                                           mode="drop"))
 
 
 def as_stop_array(stop_sequences) -> jax.Array:
@@ -364,7 +500,8 @@ def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
            next_logits: jax.Array, rng: jax.Array, active: jax.Array,
            budget: jax.Array, *, max_new_tokens: int, stop_sequences=None,
            temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-           greedy: bool = False) -> DecodeOut:
+           greedy: bool = False, rows: jax.Array | None = None,
+           row_ids: jax.Array | None = None, span: int | None = None) -> DecodeOut:
   """Samples up to `max_new_tokens` tokens per row inside one `lax.while_loop`.
 
   Each step samples from `next_logits`, feeds the sampled token of every live row
@@ -385,13 +522,20 @@ def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
     temperature: sampling temperature (traced: no recompile when it changes).
     top_p, top_k: static nucleus / top-k truncation (1.0 / 0 = off).
     greedy: static; argmax sampling.
+    rows: optional i32[R] the only rows computed (row compaction: a turn's unfinished rows;
+      entries >= B are padding); the others keep their cache and logits and generate nothing.
+    row_ids: optional i32[B] global row ids: each row samples from its own key stream
+      (:func:`row_keys`), so compaction does not change what it samples. Without it, one key
+      per step is split from ``rng`` for the whole batch.
+    span: static slot count (:func:`span_slots`): the loop reads and copies only slots
+      [0, span); every row's last generated token must land below it.
   Returns:
-    DecodeOut; `logprobs` are raw-model temperature-1 log-probs (module docstring).
+    DecodeOut (B rows); `logprobs` are raw-model temperature-1 log-probs (module docstring).
   """
   return _decode(graphdef, state, cache, next_logits, rng, active, budget,
-                 as_stop_array(stop_sequences), jnp.float32(temperature),
+                 as_stop_array(stop_sequences), jnp.float32(temperature), rows, row_ids,
                  max_new_tokens=int(max_new_tokens), top_k=int(top_k),
-                 top_p=float(top_p), greedy=bool(greedy))
+                 top_p=float(top_p), greedy=bool(greedy), span=span)
 
 
 # --------------------------------------------------------------------------- generate

@@ -53,59 +53,215 @@ class HostLoopEngine:
           ) -> tuple[traj_lib.TrajectoryBatch, dict[str, float]]:
     """Rolls out one trajectory per question (see :meth:`RolloutEngine.run`).
 
+    What is computed follows the settings' switches (each saving can be turned off; the
+    trajectories are the same either way, up to float rounding): a group's prompt is prefilled
+    once and its KV rows copied (``prefill_once_per_group``), the batch's common prompt prefix
+    once (``shared_prefix``), observation extends and decode turns run only the rows that need
+    them (``compact_rows``), at widths rounded to ``width_bucket`` tokens, and attention reads
+    only the written slots, rounded to ``slot_bucket``. Each row samples from its own key
+    stream (``fold_in(turn key, global row id)``), so compaction never changes a sample.
+
     Args:
       params: the policy's ``nnx.State``.
       questions: this process's B question strings (one process: the whole batch).
       key: PRNG key, the same on every process; the rollout is deterministic given it.
     Returns:
-      (batch of this process's B rows, metrics): ``time/decode_s``, ``time/search_s``,
-      ``rollout/generated_tokens`` and ``rollout/retriever_calls`` of this process.
+      (batch of this process's B rows, metrics): wall seconds ``time/prefill_s``,
+      ``time/extend_s`` (observations), ``time/decode_s``, ``time/search_s``, each phase ended
+      with the device synchronised; ``rollout/decode_steps`` and per turn
+      ``rollout/decode_steps/turn=t`` (decode loop iterations); ``rollout/token_rows`` (token
+      rows computed: prefill, extend and decode, padding included), ``rollout/real_tokens``,
+      ``rollout/padding_frac`` (1 - real / computed); ``rollout/generated_tokens`` and
+      ``rollout/retriever_calls`` of this process.
     """
     s, b = self.s, len(questions)
+    self.batch_rows = b
     records = [traj_lib.TrajectoryBuilder() for _ in range(b)]
     prompts = turns.encode_prompts(self.tok, questions, s.max_prompt_tokens)
     for rec, ids, q in zip(records, prompts, questions):
       rec.add_prompt(ids, anchor=q)
-    toks, lens = turns.pad_rows(prompts, b, s.max_prompt_tokens, self.tok.pad_id)
+    work = {"time/prefill_s": 0.0, "time/extend_s": 0.0, "time/decode_s": 0.0,
+            "time/search_s": 0.0, "rollout/token_rows": 0.0, "rollout/real_tokens": 0.0}
+    s_max = s.seq_len + 1
+    t0 = time.perf_counter()
     logits = self._rows(np.zeros((b, self.model_cfg.vocab_size), np.float32))
-    cache = self._init_cache(logits.shape[0], s.seq_len + 1)
-    logits, cache = sampler_lib.extend_last(self.graphdef, params, cache, self._rows(toks),
-                                            self._rows(lens), logits)
+    cache = self._init_cache(logits.shape[0], s_max)
+    pos = np.zeros((b,), np.int64)          # host copy of each row's cache length
+    logits, cache = self._prefill(params, cache, logits, prompts, pos, work)
+    work["time/prefill_s"] = _synced(logits, t0)
     active = np.ones((b,), bool)
     budget = self._rows(np.full((b,), s.max_new_tokens, np.int32))
-    t_decode = t_search = 0.0
+    row_ids = self._rows(np.arange(b, dtype=np.int32) + np.int32(jax.process_index() * b))
     calls = 0
     for turn in range(s.max_turns + 1):
       key, sub = jax.random.split(key)
       t0 = time.perf_counter()
+      live = np.flatnonzero(active)
+      rows = self._compact(live) if s.compact_rows else None
+      span = self._span(int(pos[live].max(initial=0)) + s.max_new_tokens, s_max)
       out = sampler_lib.decode(
           self.graphdef, params, cache, logits, sub, self._rows(active), budget,
           max_new_tokens=s.max_new_tokens, stop_sequences=self.stops,
-          temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, greedy=s.greedy)
+          temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, greedy=s.greedy,
+          rows=rows, row_ids=row_ids, span=span)
       cache, logits = out.cache, out.next_logits
-      gen_tokens, gen_lens = turns.local_rows(out.tokens), turns.local_rows(out.lengths)
-      t_decode += time.perf_counter() - t0
-      rows = np.flatnonzero(active)
+      gen_tokens, gen_lens = self._local(out.tokens), self._local(out.lengths)
+      work["time/decode_s"] += time.perf_counter() - t0
+      steps = int(gen_lens.max(initial=0))
+      work[f"rollout/decode_steps/turn={turn}"] = float(steps)
+      work["rollout/token_rows"] += steps * (b if rows is None else self._local_count(rows))
+      work["rollout/real_tokens"] += float(gen_lens.sum())
+      pos += gen_lens
       outcome = turns.dispatch_turn(
-          [records[i] for i in rows], [gen_tokens[i, :gen_lens[i]] for i in rows],
+          [records[i] for i in live], [gen_tokens[i, :gen_lens[i]] for i in live],
           tokenizer=self.tok, retriever=self.retriever, settings=s,
           invalid_ids=self.invalid_ids)
-      t_search += outcome.search_s
+      work["time/search_s"] += outcome.search_s
       calls += outcome.queries > 0
       obs: list[list[int]] = [[] for _ in range(b)]
-      for i, ids, done in zip(rows, outcome.observations, outcome.done):
+      for i, ids, done in zip(live, outcome.observations, outcome.done):
         obs[i], active[i] = ids, not done
       if turn == s.max_turns or not turns.any_process(active.any()):
         break
-      obs_toks, obs_lens = turns.pad_rows(obs, b, s.obs_width, self.tok.pad_id)
-      logits, cache = sampler_lib.extend_last(self.graphdef, params, cache,
-                                              self._rows(obs_toks), self._rows(obs_lens),
-                                              logits)
+      t0 = time.perf_counter()
+      logits, cache = self._extend_observations(params, cache, logits, obs, pos, work)
+      work["time/extend_s"] += _synced(logits, t0)
     batch = traj_lib.collate(records, s.seq_len, self.tok.pad_id)
-    metrics = {"time/decode_s": t_decode, "time/search_s": t_search,
-               "rollout/generated_tokens": float(batch.num_generated_tokens),
+    work["rollout/decode_steps"] = float(sum(v for k, v in work.items()
+                                             if k.startswith("rollout/decode_steps/")))
+    work["rollout/padding_frac"] = padding_frac(work)
+    metrics = {**work, "rollout/generated_tokens": float(batch.num_generated_tokens),
                "rollout/retriever_calls": float(calls)}
     return batch, metrics
+
+  # ---- what is computed ------------------------------------------------------------------
+
+  def _prefill(self, params, cache, logits, prompts, pos, work):
+    """Writes every row's prompt into the cache; returns (logits f32[B, V], cache).
+
+    Distinct prompts are extended once each (``prefill_once_per_group``; other rows get a
+    copy of their first occurrence's KV rows and logits), after the common prefix of the
+    batch's distinct prompts was extended once on one row and copied
+    (``shared_prefix``; at least one token of every prompt is left to the second extend, which
+    gives each row its own next-token logits)."""
+    s, b = self.s, len(prompts)
+    work["rollout/real_tokens"] += float(sum(len(p) for p in prompts))
+    pos[:] = [len(p) for p in prompts]
+    first: dict[tuple, int] = {}
+    rep = np.array([first.setdefault(tuple(p), i) if s.prefill_once_per_group else i
+                    for i, p in enumerate(prompts)], np.int64)
+    reps = np.flatnonzero(rep == np.arange(b))
+    cut = 0
+    if s.shared_prefix and len(reps) > 1:
+      cut = min(_common_prefix([prompts[i] for i in reps]), min(len(prompts[i]) for i in reps) - 1)
+    if self._agree(cut) > 0:
+      head = [list(prompts[reps[0]][:cut])] if cut else []
+      width = self._agree(s.width(cut, s.max_prompt_tokens))
+      logits, cache = self._extend(params, cache, logits, head, reps[:len(head)], width,
+                                   compact=True, work=work)
+      cache, logits = self._copy(cache, logits, np.full(len(reps) - 1, reps[0]) if cut
+                                 else np.zeros(0, np.int64), reps[1:] if cut else reps[:0])
+    tails = [list(prompts[i][cut:]) for i in reps]
+    width = self._agree(s.width(max(len(t) for t in tails), s.max_prompt_tokens))
+    compact = s.compact_rows or s.prefill_once_per_group or s.shared_prefix
+    logits, cache = self._extend(params, cache, logits, tails, reps, width, compact=compact,
+                                 work=work, end=int(pos.max(initial=0)))
+    dups = np.flatnonzero(rep != np.arange(b))
+    cache, logits = self._copy(cache, logits, rep[dups], dups)
+    return logits, cache
+
+  def _extend_observations(self, params, cache, logits, obs, pos, work):
+    """Extends each row's observation (rows without one: only with ``compact_rows`` off)."""
+    s, b = self.s, len(obs)
+    has = np.flatnonzero([len(o) > 0 for o in obs])
+    width = self._agree(s.width(max((len(o) for o in obs), default=0), s.obs_width))
+    work["rollout/real_tokens"] += float(sum(len(o) for o in obs))
+    end = int((pos + [len(o) for o in obs]).max(initial=0))
+    if s.compact_rows:
+      out = self._extend(params, cache, logits, [obs[i] for i in has], has, width,
+                         compact=True, work=work, end=end)
+    else:
+      out = self._extend(params, cache, logits, obs, np.arange(b), width, compact=False,
+                         work=work, end=end)
+    pos += [len(o) for o in obs]
+    return out
+
+  def _extend(self, params, cache, logits, rows_tokens, rows, width, *, compact, work,
+              end=None):
+    """One ``extend_last`` of ``rows_tokens`` (token lists) into local ``rows`` at ``width``.
+
+    ``compact``: only those rows are computed (their count rounded up, :meth:`_compact`);
+    else every row of the batch, ``rows`` being all of them."""
+    b = logits.shape[0] // jax.process_count()
+    end = width if end is None else end
+    span = self._span(end, self.s.seq_len + 1)
+    if compact:
+      idx = self._compact(np.asarray(rows, np.int64))
+      n = self._local_count(idx)
+      toks, lens = turns.pad_rows(rows_tokens, n, width, self.tok.pad_id)
+      work["rollout/token_rows"] += float(n * width)
+      return sampler_lib.extend_last(self.graphdef, params, cache, self._rows(toks),
+                                     self._rows(lens), logits, idx, span=span)
+    toks, lens = turns.pad_rows(rows_tokens, b, width, self.tok.pad_id)
+    work["rollout/token_rows"] += float(b * width)
+    return sampler_lib.extend_last(self.graphdef, params, cache, self._rows(toks),
+                                   self._rows(lens), logits, span=span)
+
+  def _copy(self, cache, logits, src, dst):
+    """Copies local rows ``src`` to local rows ``dst`` (KV rows and logits); a no-op when no
+    process has any."""
+    n = self._agree(len(dst))
+    if n == 0:
+      return cache, logits
+    n = self._row_bucket(n)
+    return sampler_lib.copy_rows(cache, logits, self._global_index(src, n, fill=0),
+                                 self._global_index(dst, n))
+
+  def _compact(self, local: np.ndarray) -> np.ndarray:
+    """Global row indices (identical on every process) of each process's ``local`` rows, each
+    process's list padded with an out-of-range row to the same bucketed count."""
+    return self._global_index(local, self._row_bucket(self._agree(len(local))))
+
+  def _row_bucket(self, n: int) -> int:
+    """Rows computed for ``n`` needed (per process): the local devices times a power of two,
+    at most the process's rows (a few distinct shapes: one compiled program each)."""
+    b = self.batch_rows
+    d = jax.local_device_count() if self.mesh is not None else 1
+    r = d
+    while r < n:
+      r *= 2
+    return min(r, b)
+
+  def _global_index(self, local: np.ndarray, n: int, fill: int | None = None) -> np.ndarray:
+    b, p = self.batch_rows, jax.process_count()
+    pad = b * p if fill is None else fill
+    own = np.full((n,), pad, np.int32)
+    own[:len(local)] = np.asarray(local, np.int64) + jax.process_index() * b
+    if p == 1:
+      return own
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    return np.asarray(multihost_utils.process_allgather(own)).reshape(-1)
+
+  def _local(self, x) -> np.ndarray:
+    """This process's B rows of a per-row output (compacted outputs may come back replicated
+    over the processes: then its block is cut out)."""
+    r = turns.local_rows(x)
+    b = self.batch_rows
+    return r if r.shape[0] == b else r[jax.process_index() * b:(jax.process_index() + 1) * b]
+
+  def _local_count(self, idx: np.ndarray) -> int:
+    return len(idx) // jax.process_count()
+
+  def _span(self, needed: int, max_len: int) -> int | None:
+    return sampler_lib.span_slots(self._agree(needed), max_len, self.s.slot_bucket)
+
+  @staticmethod
+  def _agree(x: int) -> int:
+    """The largest ``x`` over processes (static shapes must be equal on every process)."""
+    if jax.process_count() == 1:
+      return int(x)
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    return int(np.max(multihost_utils.process_allgather(np.asarray(int(x), np.int64))))
 
   def _rows(self, local: np.ndarray):
     """Per-row host data for the jitted programs: numpy on one process, else a global array
@@ -120,3 +276,27 @@ class HostLoopEngine:
       return tfm.init_cache(self.model_cfg, batch, max_len)
     return tfm.init_cache(self.model_cfg, batch, max_len, sharding=sharding_lib.cache_shardings(
         self.model_cfg, self.mesh, batch, max_len))
+
+
+def _synced(x, t0: float) -> float:
+  """Seconds since ``t0`` once ``x`` is computed (the device synchronised)."""
+  jax.block_until_ready(x)
+  return time.perf_counter() - t0
+
+
+def _common_prefix(rows: Sequence[Sequence[int]]) -> int:
+  """Length of the longest token prefix all ``rows`` share."""
+  first = rows[0]
+  n = min(len(r) for r in rows)
+  for r in rows[1:]:
+    k = 0
+    while k < n and r[k] == first[k]:
+      k += 1
+    n = k
+  return n
+
+
+def padding_frac(m: dict[str, float]) -> float:
+  """1 - real tokens / token rows computed (``rollout/padding_frac``)."""
+  rows = m.get("rollout/token_rows", 0.0)
+  return 1.0 - m.get("rollout/real_tokens", 0.0) / rows if rows else 0.0

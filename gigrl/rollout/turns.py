@@ -31,10 +31,28 @@ class RolloutSettings:
   top_k: int = 0
   greedy: bool = False
   topk_docs: int = 3
+  # What is computed (config ``rollout.*``; the trajectories do not depend on them):
+  prefill_once_per_group: bool = True
+  shared_prefix: bool = True
+  compact_rows: bool = True
+  slot_bucket: int = 128
+  width_bucket: int = 32
 
   @property
   def obs_width(self) -> int:
     return self.max_obs_tokens
+
+  def width(self, longest: int, cap: int) -> int:
+    """Token width of an extend whose longest row has ``longest`` tokens: rounded up to a
+    multiple of ``width_bucket``, at most ``cap`` (``cap`` itself when bucketing is off)."""
+    if self.width_bucket <= 0:
+      return cap
+    return max(1, min(cap, -(-int(longest) // self.width_bucket) * self.width_bucket))
+
+  def all_off(self) -> "RolloutSettings":
+    """These settings with every saving off: today's full-width, full-batch computation."""
+    return dataclasses.replace(self, prefill_once_per_group=False, shared_prefix=False,
+                               compact_rows=False, slot_bucket=0, width_bucket=0)
 
   @property
   def seq_len(self) -> int:
@@ -50,7 +68,12 @@ def settings_from_config(cfg_rollout: Any, topk_docs: int) -> RolloutSettings:
       max_obs_tokens=int(cfg_rollout.max_obs_tokens),
       max_prompt_tokens=int(cfg_rollout.max_prompt_tokens),
       temperature=float(cfg_rollout.temperature), top_p=float(cfg_rollout.top_p),
-      top_k=int(cfg_rollout.top_k), greedy=bool(cfg_rollout.greedy), topk_docs=int(topk_docs))
+      top_k=int(cfg_rollout.top_k), greedy=bool(cfg_rollout.greedy), topk_docs=int(topk_docs),
+      prefill_once_per_group=bool(cfg_rollout.get("prefill_once_per_group", True)),
+      shared_prefix=bool(cfg_rollout.get("shared_prefix", True)),
+      compact_rows=bool(cfg_rollout.get("compact_rows", True)),
+      slot_bucket=int(cfg_rollout.get("slot_bucket", 128)),
+      width_bucket=int(cfg_rollout.get("width_bucket", 32)))
 
 
 # Left and right contexts in which a stop tag is encoded: a byte-level BPE (Qwen2, Llama 3)
