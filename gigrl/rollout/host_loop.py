@@ -70,8 +70,11 @@ class HostLoopEngine:
       ``time/extend_s`` (observations), ``time/decode_s``, ``time/search_s``, each phase ended
       with the device synchronised; ``rollout/decode_steps`` and per turn
       ``rollout/decode_steps/turn=t`` (decode loop iterations); ``rollout/token_rows`` (token
-      rows computed: prefill, extend and decode, padding included), ``rollout/real_tokens``,
-      ``rollout/padding_frac`` (1 - real / computed); ``rollout/generated_tokens`` and
+      rows computed: prefill, extend and decode, padding included), ``rollout/real_tokens``
+      (the real tokens among them), ``rollout/padding_frac`` (1 - real / computed),
+      ``rollout/trajectory_tokens`` (prompt, observation and generated tokens of the
+      trajectories: what every saving off computes without padding; with a group's prompt
+      prefilled once, ``token_rows`` can be below it); ``rollout/generated_tokens`` and
       ``rollout/retriever_calls`` of this process.
     """
     s, b = self.s, len(questions)
@@ -81,7 +84,8 @@ class HostLoopEngine:
     for rec, ids, q in zip(records, prompts, questions):
       rec.add_prompt(ids, anchor=q)
     work = {"time/prefill_s": 0.0, "time/extend_s": 0.0, "time/decode_s": 0.0,
-            "time/search_s": 0.0, "rollout/token_rows": 0.0, "rollout/real_tokens": 0.0}
+            "time/search_s": 0.0, "rollout/token_rows": 0.0, "rollout/real_tokens": 0.0,
+            "rollout/trajectory_tokens": 0.0}
     s_max = s.seq_len + 1
     t0 = time.perf_counter()
     logits = self._rows(np.zeros((b, self.model_cfg.vocab_size), np.float32))
@@ -111,6 +115,7 @@ class HostLoopEngine:
       work[f"rollout/decode_steps/turn={turn}"] = float(steps)
       work["rollout/token_rows"] += steps * (b if rows is None else self._local_count(rows))
       work["rollout/real_tokens"] += float(gen_lens.sum())
+      work["rollout/trajectory_tokens"] += float(gen_lens.sum())
       pos += gen_lens
       outcome = turns.dispatch_turn(
           [records[i] for i in live], [gen_tokens[i, :gen_lens[i]] for i in live],
@@ -145,7 +150,7 @@ class HostLoopEngine:
     (``shared_prefix``; at least one token of every prompt is left to the second extend, which
     gives each row its own next-token logits)."""
     s, b = self.s, len(prompts)
-    work["rollout/real_tokens"] += float(sum(len(p) for p in prompts))
+    work["rollout/trajectory_tokens"] += float(sum(len(p) for p in prompts))
     pos[:] = [len(p) for p in prompts]
     first: dict[tuple, int] = {}
     rep = np.array([first.setdefault(tuple(p), i) if s.prefill_once_per_group else i
@@ -175,7 +180,7 @@ class HostLoopEngine:
     s, b = self.s, len(obs)
     has = np.flatnonzero([len(o) > 0 for o in obs])
     width = self._agree(s.width(max((len(o) for o in obs), default=0), s.obs_width))
-    work["rollout/real_tokens"] += float(sum(len(o) for o in obs))
+    work["rollout/trajectory_tokens"] += float(sum(len(o) for o in obs))
     end = int((pos + [len(o) for o in obs]).max(initial=0))
     if s.compact_rows:
       out = self._extend(params, cache, logits, [obs[i] for i in has], has, width,
@@ -200,10 +205,12 @@ class HostLoopEngine:
       n = self._local_count(idx)
       toks, lens = turns.pad_rows(rows_tokens, n, width, self.tok.pad_id)
       work["rollout/token_rows"] += float(n * width)
+      work["rollout/real_tokens"] += float(lens.sum())
       return sampler_lib.extend_last(self.graphdef, params, cache, self._rows(toks),
                                      self._rows(lens), logits, idx, span=span)
     toks, lens = turns.pad_rows(rows_tokens, b, width, self.tok.pad_id)
     work["rollout/token_rows"] += float(b * width)
+    work["rollout/real_tokens"] += float(lens.sum())
     return sampler_lib.extend_last(self.graphdef, params, cache, self._rows(toks),
                                    self._rows(lens), logits, span=span)
 
@@ -223,14 +230,13 @@ class HostLoopEngine:
     return self._global_index(local, self._row_bucket(self._agree(len(local))))
 
   def _row_bucket(self, n: int) -> int:
-    """Rows computed for ``n`` needed (per process): the local devices times a power of two,
-    at most the process's rows (a few distinct shapes: one compiled program each)."""
+    """Rows computed for ``n`` needed (per process): rounded up to a multiple of an eighth of
+    the process's B rows (and of its local devices), so a kind of call compiles at most 8
+    programs, whatever the rows left."""
     b = self.batch_rows
     d = jax.local_device_count() if self.mesh is not None else 1
-    r = d
-    while r < n:
-      r *= 2
-    return min(r, b)
+    q = d * max(1, -(-b // (8 * d)))
+    return min(b, max(q, -(-int(n) // q) * q))
 
   def _global_index(self, local: np.ndarray, n: int, fill: int | None = None) -> np.ndarray:
     b, p = self.batch_rows, jax.process_count()
