@@ -23,6 +23,19 @@ which compiles, is left out). For each phase it prints:
 ``--set FIELD=VALUE`` (repeatable) passes config overrides to both phases (e.g. LoRA);
 ``--sft_steps 0`` skips the SFT phase.
 
+``--savings`` (with ``--init_from``; issue #38) measures what the rollout and update savings buy:
+from the same warm-start, with the same keys and on the same machine, it runs the RL phase with
+every saving off (``OFF``: each prompt prefilled per sample at ``max_prompt_tokens``,
+observations at ``max_obs_tokens`` on every row, attention over the whole cache, the update's
+width from every row) and with every saving on (the defaults), then a greedy evaluation of the
+warm-start on ``--eval_questions`` held-out questions (``gigrl-eval --datasets run``) each way.
+It prints rollout, update, RL step and evaluation seconds side by side with their ratio on/off,
+each beside its floor (2·N·real tokens over the measured GEMM peak; the update's: its weight
+GEMMs, forward and backward), and writes ``--out`` (results.json).
+
+  python benchmarks/smollm2_steps.py --init_from runs/countries_smollm2/sft --savings \
+      --out docs/results/rollout_efficiency/results.json
+
 Needs the fetched checkpoint (`gigrl-fetch smollm2-135m-instruct`).
 """
 from __future__ import annotations
@@ -47,6 +60,9 @@ from _timing import timed_runs  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLOOR_ROWS = 2048
 CONFIG = os.path.join(ROOT, "configs", "countries.py") + ":smollm2-135m"
+# Every saving of issue #38 off (config fields; the defaults are all on).
+OFF = ("rollout.prefill_once_per_group=false", "rollout.shared_prefix=false",
+       "rollout.compact_rows=false", "rollout.slot_bucket=0", "rollout.width_bucket=0")
 
 
 def gemm_peak_flops(n: int = 2048, repeats: int = 5) -> float:
@@ -88,6 +104,11 @@ def phase_stats(rows: list[dict], phase: str, n_params: int, peak: float) -> dic
     out["rollout_tokens_per_s"] = statistics.median(r["rollout/tokens_per_s"] for r in steps)
     out["rollout_s"] = statistics.median(r["time/rollout_s"] for r in steps)
     out["update_s"] = statistics.median(r["time/update_s"] for r in steps)
+    for k in ("time/prefill_s", "time/extend_s", "time/decode_s", "time/search_s",
+              "rollout/trajectory_tokens", "rollout/token_rows", "rollout/padding_frac",
+              "rollout/decode_steps"):
+      if all(k in r for r in steps):
+        out[k] = statistics.median(r[k] for r in steps)
   out["train_tokens_per_step"] = tps * (out.get("update_s") or t)
   out["mfu"] = 6 * n_params * tps / peak
   return out
@@ -101,7 +122,13 @@ def main():
   p.add_argument("--quick", action="store_true", help="2 SFT steps, no RL")
   p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                  help="a config override for both phases (repeatable), e.g. model.lora.rank=16")
+  p.add_argument("--savings", action="store_true",
+                 help="RL steps and a held-out evaluation with every saving off and on")
+  p.add_argument("--eval_questions", type=int, default=300)
+  p.add_argument("--out", default="", help="--savings: write results.json here")
   a = p.parse_args()
+  if a.savings:
+    return savings(a)
   extra = [f"--config.{kv}" for kv in a.set]
   if a.quick:
     a.sft_steps, a.init_from = 2, ""
@@ -148,6 +175,78 @@ def main():
           f"{' (update)' if phase == 'rl' else ''} | "
           f"{r.get('rollout_tokens_per_s') or 0:.0f} | {r['peak_rss_gib']:.1f} |")
   print(json.dumps({"peak_flops": peak, "num_params": n, "overrides": a.set, **results}))
+
+
+def eval_run(init_from: str, overrides: list[str], n: int, out: str) -> dict:
+  """A greedy ``gigrl-eval`` of ``init_from`` on ``n`` of its held-out questions: its
+  results.json (``eval/time_s``: the rollouts' seconds) and the process's wall seconds."""
+  cmd = [sys.executable, "-m", "gigrl.cli.eval", "--workdir", init_from, "--datasets", "run",
+         "--max_questions", str(n), "--batch_size", "64", "--output", out,
+         *[x for kv in overrides for x in ("--set", kv)]]
+  t0 = time.perf_counter()
+  proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                        check=False)
+  if proc.returncode:
+    sys.exit(f"smollm2_steps: gigrl-eval failed (exit {proc.returncode}):\n"
+             + proc.stderr[-2000:])
+  with open(os.path.join(out, "results.json")) as f:
+    res = json.load(f)
+  return {**res["results"]["run"], "wall_s": time.perf_counter() - t0}
+
+
+def savings(a) -> None:
+  """``--savings``: every saving off, then on, from the same warm-start (module docstring)."""
+  if not a.init_from:
+    sys.exit("smollm2_steps: --savings needs --init_from (a run at the end of its SFT)")
+  from gigrl.models import fetch  # pylint: disable=g-import-not-at-top
+  from gigrl.models.config import config_from_hf  # pylint: disable=g-import-not-at-top
+  cfg = config_from_hf(fetch.default_dir("smollm2-135m-instruct"))
+  n = cfg.num_params
+  peak = gemm_peak_flops()
+  device = (f"{os.cpu_count()} CPU cores ({jax.devices()[0].device_kind}), jax {jax.__version__}"
+            if jax.devices()[0].platform == "cpu" else jax.devices()[0].device_kind)
+  print(f"machine: {device}; measured f32 GEMM peak {peak / 1e9:.1f} GFLOP/s; N = {n / 1e6:.1f}M")
+  extra = [f"--config.{kv}" for kv in a.set]
+  runs = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    for mode, over in (("off", list(OFF)), ("on", [])):
+      rows, wall, rss = train_run(os.path.join(tmp, f"rl_{mode}"), [
+          f"--config.train.init_from={a.init_from}", f"--config.train.num_steps={a.rl_steps}",
+          "--config.train.eval_questions=0", "--config.checkpoint.every_steps=1000",
+          *[f"--config.{kv}" for kv in over], *extra])
+      runs[mode] = {**phase_stats(rows, "rl", n, peak), "peak_rss_gib": rss, "wall_s": wall}
+      print(f"RL, savings {mode}: {json.dumps(runs[mode])}", flush=True)
+    for mode, over in (("off", list(OFF)), ("on", [])):
+      ev = eval_run(a.init_from, over + list(a.set), a.eval_questions,
+                    os.path.join(tmp, f"eval_{mode}"))
+      runs[mode]["eval"] = ev
+      print(f"eval, savings {mode}: EM {ev['eval/em']:.3f}, {ev['eval/time_s']:.0f} s", flush=True)
+  floor_per_token = train_gemm_seconds(cfg, FLOOR_ROWS, repeats=2)[0] / FLOOR_ROWS
+  off, on = runs["off"], runs["on"]
+  fwd = 2 * n / peak                                  # seconds per real token, forward
+  floors = {"rollout_s": fwd * on.get("rollout/trajectory_tokens", 0.0),
+            "update_s": floor_per_token * on["train_tokens_per_step"]}
+  floors["step_s"] = floors["rollout_s"] + floors["update_s"]
+  table = {}
+  for k in ("rollout_s", "update_s", "step_s"):
+    table[k] = {"off": off[k], "on": on[k], "ratio": on[k] / off[k]}
+  table["eval300_s"] = {"off": off["eval"]["eval/time_s"], "on": on["eval"]["eval/time_s"],
+                        "ratio": on["eval"]["eval/time_s"] / off["eval"]["eval/time_s"]}
+  print("| phase | savings off s | savings on s | on / off | floor s |")
+  print("|---|---|---|---|---|")
+  for k, v in table.items():
+    fl = floors.get(k)
+    print(f"| {k} | {v['off']:.1f} | {v['on']:.1f} | {v['ratio']:.2f} | "
+          f"{'' if fl is None else f'{fl:.1f}'} |")
+  out = {"device": device, "peak_flops": peak, "num_params": n,
+         "command": "python benchmarks/smollm2_steps.py " + " ".join(sys.argv[1:]),
+         **table, "floor_s": floors, "off_overrides": list(OFF), "runs": runs,
+         "em": {"off": off["eval"]["eval/em"], "on": on["eval"]["eval/em"]}}
+  print(json.dumps(out))
+  if a.out:
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+      json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from gigrl import progress
 from gigrl.models import sampler as sampler_lib
 from gigrl.models import sharding as sharding_lib
 from gigrl.models import transformer as tfm
@@ -88,6 +89,7 @@ class HostLoopEngine:
             "rollout/trajectory_tokens": 0.0}
     s_max = s.seq_len + 1
     t0 = time.perf_counter()
+    progress.report(f"rollout: prefill {b} rows")
     logits = self._rows(np.zeros((b, self.model_cfg.vocab_size), np.float32))
     cache = self._init_cache(logits.shape[0], s_max)
     pos = np.zeros((b,), np.int64)          # host copy of each row's cache length
@@ -103,6 +105,7 @@ class HostLoopEngine:
       live = np.flatnonzero(active)
       rows = self._compact(live) if s.compact_rows else None
       span = self._span(int(pos[live].max(initial=0)) + s.max_new_tokens, s_max)
+      progress.report(f"rollout turn {turn + 1}/{s.max_turns + 1}: decode {len(live)} rows")
       out = sampler_lib.decode(
           self.graphdef, params, cache, logits, sub, self._rows(active), budget,
           max_new_tokens=s.max_new_tokens, stop_sequences=self.stops,
@@ -129,6 +132,8 @@ class HostLoopEngine:
       if turn == s.max_turns or not turns.any_process(active.any()):
         break
       t0 = time.perf_counter()
+      progress.report(f"rollout turn {turn + 1}/{s.max_turns + 1}: "
+                      f"{outcome.queries} searches, extend observations")
       logits, cache = self._extend_observations(params, cache, logits, obs, pos, work)
       work["time/extend_s"] += _synced(logits, t0)
     batch = traj_lib.collate(records, s.seq_len, self.tok.pad_id)

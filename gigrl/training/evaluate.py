@@ -33,6 +33,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from gigrl import progress
 from gigrl.data.qa import normalize_answer
 from gigrl.rollout import reward as reward_lib
 
@@ -165,18 +166,42 @@ def evaluate(engine, params, questions: Sequence[Any], key: jax.Array | None = N
     return [], {}, None
   key = jax.random.key(0) if key is None else key
   width = len(questions) if not batch_size else min(int(batch_size), len(questions))
-  results, first = [], None
+  results, first, work = [], None, {}
   for c, b in enumerate(range(0, len(questions), width)):
     chunk = list(questions[b:b + width])
     padded = chunk + [chunk[-1]] * (width - len(chunk))
-    batch, _ = engine.run(params, [q.question for q in padded],
+    batch, m = engine.run(params, [q.question for q in padded],
                           key if c == 0 else jax.random.fold_in(key, c))
+    add_work(work, m)
     results += score(chunk, batch, hops)
     first = batch if first is None else first
     if log is not None and width < len(questions):
       log(f"{len(results)}/{len(questions)} questions, EM so far "
           f"{np.mean([r.em for r in results]):.3f}")
-  return results, aggregate(results), first
+  return results, {**aggregate(results), **work_metrics(work)}, first
+
+
+# Engine metrics that add up over an evaluation's chunks (phase seconds and token counts).
+_WORK = ("time/prefill_s", "time/extend_s", "time/decode_s", "time/search_s",
+         "rollout/decode_steps", "rollout/token_rows", "rollout/real_tokens",
+         "rollout/trajectory_tokens")
+
+
+def add_work(total: dict[str, float], m: Mapping[str, float]) -> None:
+  """Adds one ``engine.run``'s phase seconds and token counts (:data:`_WORK`) to ``total``."""
+  for k in _WORK:
+    if k in m:
+      total[k] = total.get(k, 0.0) + float(m[k])
+
+
+def work_metrics(total: Mapping[str, float], prefix: str = "eval") -> dict[str, float]:
+  """The summed engine metrics as ``eval/time/prefill_s``, ..., with ``eval/rollout/padding_frac``
+  (1 - real tokens / token rows computed); empty for an engine that reports none."""
+  out = {f"{prefix}/{k}": v for k, v in total.items()}
+  if total.get("rollout/token_rows"):
+    out[f"{prefix}/rollout/padding_frac"] = (1.0 - total.get("rollout/real_tokens", 0.0)
+                                            / total["rollout/token_rows"])
+  return out
 
 
 def subsets(r: EvalResult) -> list[str]:
@@ -287,16 +312,25 @@ def evaluate_set(engine, params, questions: Sequence[Any], *, samples: int = 1,
               // rows_multiple * rows_multiple)
   bar = tqdm(total=samples * len(qs), desc=f"gigrl-eval {name}", unit="rollout",
              dynamic_ncols=True, file=sys.stderr)
+  work: dict[str, float] = {}
+  em = ""
+
+  def show(msg: str) -> None:     # the rollout's turns, between the bar's updates
+    bar.set_postfix_str(f"{em}{msg}", refresh=True)
+
   for s in range(samples):
     results = []
     for b in range(0, len(qs), width):
       chunk = qs[b:b + width]
       padded = chunk + [chunk[-1]] * (width - len(chunk))  # one shape: no recompiles
       key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), s), b)
-      batch, _ = engine.run(params, [q.question for q in padded], key)
+      with progress.reporting(show):
+        batch, m = engine.run(params, [q.question for q in padded], key)
+      add_work(work, m)
       results += score(chunk, batch, hops)
       bar.update(len(chunk))
-      bar.set_postfix(em=f"{np.mean([r.em for r in results]):.3f}")
+      em = f"em={np.mean([r.em for r in results]):.3f}, "
+      bar.set_postfix_str(em.rstrip(", "))
     per_sample.append(results)
   bar.close()
   m = aggregate([r for rs in per_sample for r in rs])
@@ -306,6 +340,7 @@ def evaluate_set(engine, params, questions: Sequence[Any], *, samples: int = 1,
   for k in ks:
     m[f"eval/pass@{k}"] = float(np.mean([pass_at_k(samples, int(c), k) for c in correct]))
   m["eval/time_s"] = time.perf_counter() - t0
+  m.update(work_metrics(work))
   rows = [{"question": q.question, "golden_answers": list(q.golden_answers),
            "answers": [rs[i].answer for rs in per_sample],
            "em": [rs[i].em for rs in per_sample], "f1": [rs[i].f1 for rs in per_sample],

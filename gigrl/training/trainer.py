@@ -28,6 +28,7 @@ from etils import epath
 from tqdm import tqdm
 
 from gigrl import distributed
+from gigrl import progress
 from gigrl import search as search_lib
 from gigrl.advantages import inputs as adv_inputs
 from gigrl.data import copy_task
@@ -100,7 +101,9 @@ class Trainer:
     bar = tqdm(total=total, initial=start, desc="gigrl", unit="step", dynamic_ncols=True)
     try:
       self.stopped = False
-      with stop_lib.StopSignals(_log) as stop:
+      # the rollout's turns (and the update's micro-batches) show on the bar within a step
+      with stop_lib.StopSignals(_log) as stop, progress.reporting(
+          lambda msg: bar.set_postfix_str(msg, refresh=True)):
         demos = self._demonstrations() if start < sft_steps else None
         if (start == 0 or fresh_init) and self.evaluator.due(start):
           # the initial policy: no SFT, or train.init_from's (whose own evaluation of the same
@@ -228,7 +231,9 @@ class Trainer:
         self.steps, self.state.params, self.state.opt_state, self.state.ref_params, batch,
         rows, valid, adv, put=self._put, mini_batch_rows=mini_rows,
         micro_batch_rows=micro_rows, epochs=int(cfg.train.ppo_epochs), seed=int(cfg.seed),
-        step=step, shuffle=bool(cfg.train.shuffle))
+        step=step, shuffle=bool(cfg.train.shuffle),
+        trim_padding=bool(cfg.train.trim_update_padding),
+        max_lm_positions=build.max_generated_tokens(cfg))
     self.state = self.state.replace(params=params, opt_state=opt_state)
     # 6. log
     search_m = distributed.reduce_metrics({   # this step's (the counters are cumulative)
