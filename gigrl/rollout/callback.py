@@ -231,7 +231,9 @@ class CallbackEngine:
     prompts = turns.encode_prompts(self.tok, questions, s.max_prompt_tokens)
     n = self.num_local_shards
     b_pad = max(n, -(-b // n) * n)
-    toks, lens = turns.pad_rows(prompts, b_pad, s.max_prompt_tokens, self.tok.pad_id)
+    # the prompts' width: the longest rounded up to rollout.width_bucket (one program per width)
+    width = turns.agree_max(s.width(max(len(p) for p in prompts), s.max_prompt_tokens))
+    toks, lens = turns.pad_rows(prompts, b_pad, width, self.tok.pad_id)
     live = np.arange(b_pad) < b
     records = [traj_lib.TrajectoryBuilder() for _ in range(b_pad)]
     for rec, ids, q in zip(records, prompts, questions):

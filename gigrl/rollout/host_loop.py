@@ -269,10 +269,7 @@ class HostLoopEngine:
   @staticmethod
   def _agree(x: int) -> int:
     """The largest ``x`` over processes (static shapes must be equal on every process)."""
-    if jax.process_count() == 1:
-      return int(x)
-    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-    return int(np.max(multihost_utils.process_allgather(np.asarray(int(x), np.int64))))
+    return turns.agree_max(x)
 
   def _rows(self, local: np.ndarray):
     """Per-row host data for the jitted programs: numpy on one process, else a global array

@@ -336,3 +336,12 @@ def any_process(flag: bool) -> bool:
     return bool(flag)
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+
+
+def agree_max(x: int) -> int:
+  """The largest ``x`` over processes (a static size must be equal on every process; every
+  process must call it: an all-gather of one integer when there are several)."""
+  if jax.process_count() == 1:
+    return int(x)
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return int(np.max(multihost_utils.process_allgather(np.asarray(int(x), np.int64))))
