@@ -7,10 +7,12 @@ Pure functions of numpy arrays (no devices, no globals), tested on small hand-wr
   rows, valid = train_rows(candidates, accepted, P, G)           i32[P, G], bool[P]
   (advantages: gigrl.advantages.inputs.advantage_inputs -> the estimator -> f32[P, G, T])
   tokens, mask, tok_adv = train_batch(batch, rows, valid, adv)   [P·G, W] each
+  k = lm_positions(mask, cap)                                     LM-head positions per row
 
 C = candidate groups rolled out (k·P with query recycling), P = trained groups
 (``data.prompts_per_step``), G = rollouts per group, T = max steps (``rollout.max_turns + 1``),
-W = tokens per trained row (bucketed). Rollout row ``c * G + j`` is rollout j of candidate c.
+W = tokens per trained row (bucketed, from the valid groups' rows: the filler rows of invalid
+groups are cut to it), K = LM-head positions per row (bucketed). Rollout row ``c * G + j`` is rollout j of candidate c.
 """
 from __future__ import annotations
 
@@ -78,25 +80,45 @@ def bucket(width: int, seq_len: int, multiple: int = 64) -> int:
 
 
 def train_batch(batch: traj_lib.TrajectoryBatch, rows: np.ndarray, valid_groups: np.ndarray,
-                advantages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                advantages: np.ndarray, *, trained_width: bool = True
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """The RL update's token batch for the trained rows, cut to a bucketed width.
 
   Args:
     batch: the rollout batch.
     rows, valid_groups: from :func:`train_rows` (i32[P, G], bool[P]).
     advantages: f32[P, G, T] from the advantage estimator.
+    trained_width: W from the rows of valid groups only (``train.trim_update_padding``): the
+      filler rows of invalid groups (loss mask 0) are cut to it; with no valid group W is one
+      bucket. False: W covers every selected row, filler rows included.
   Returns:
     (tokens i32[B, W], loss_mask f32[B, W] (zero on invalid groups), token advantages
     f32[B, W]) with B = P·G and W = :func:`bucket` of the longest trained row.
   """
   sel = rows.reshape(-1)
   g = rows.shape[1]
-  width = bucket(int(batch.lengths[sel].max()), batch.tokens.shape[1])
   row_valid = np.repeat(np.asarray(valid_groups, np.float32), g)
+  measured = sel[row_valid > 0] if trained_width else sel
+  width = bucket(int(batch.lengths[measured].max(initial=1)), batch.tokens.shape[1])
   adv = np.asarray(advantages, np.float32).reshape(len(sel), -1)
   tok_adv = token_advantages(adv, batch.step_ids[sel, :width])
   mask = batch.loss_mask[sel, :width] * row_valid[:, None]
   return batch.tokens[sel, :width], mask.astype(np.float32), tok_adv
+
+
+def lm_positions(loss_mask: np.ndarray, cap: int, multiple: int = 32) -> int:
+  """K, the LM-head positions per row of an update: the most loss-masked (generated) target
+  tokens of any row, bucketed to a multiple of ``multiple`` (few distinct compiled shapes), at
+  most ``cap`` (the generation budget) and the row's W - 1 targets.
+
+  Args:
+    loss_mask: f32[B, W] of the update's rows (aligned with the tokens; targets are [:, 1:]).
+    cap: the static bound (``build.max_generated_tokens``).
+  Returns:
+    K >= 1 (one bucket when no row has a loss token).
+  """
+  n = int((np.asarray(loss_mask)[:, 1:] > 0).sum(axis=1).max(initial=0))
+  return max(1, min(int(cap), loss_mask.shape[1] - 1, bucket(max(n, 1), cap, multiple)))
 
 
 def sft_indices(num_demos: int, batch_size: int, seed: int, step: int) -> np.ndarray:

@@ -6,6 +6,7 @@ jitted with explicit shardings and the params/optimizer state donated.
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable
 
@@ -243,13 +244,28 @@ def sft_loss_fn(graphdef, *, max_tokens: int, chunk_size: int) -> Callable:
 
 def rl_loss_fn(graphdef, *, max_tokens: int, chunk_size: int,
                loss_options: dict[str, Any], temperature: float = 1.0) -> Callable:
-  """``loss_fn(params, ref_params, tokens, loss_mask, token_advantages)`` for
-  :func:`make_step` (RL)."""
-  def fn(params, ref_params, tokens, loss_mask, token_advantages):
-    return rl_loss(params, graphdef, ref_params, tokens, loss_mask, token_advantages,
-                   max_tokens=max_tokens, chunk_size=chunk_size, loss_options=loss_options,
-                   temperature=temperature)
+  """``loss_fn(params, ref_params, tokens, loss_mask, token_advantages, lm_positions=None)``
+  for :func:`make_step` (RL); ``lm_positions`` (static int): K, the LM-head positions per
+  row, at most ``max_tokens`` (None = ``max_tokens``; :func:`_trimmed_norm`)."""
+  def fn(params, ref_params, tokens, loss_mask, token_advantages, lm_positions=None):
+    k = max_tokens if lm_positions is None else min(int(lm_positions), max_tokens)
+    return rl_loss(params, graphdef, ref_params, tokens, loss_mask, token_advantages, None,
+                   _trimmed_norm(loss_options, max_tokens, lm_positions), max_tokens=k,
+                   chunk_size=chunk_size, loss_options=loss_options, temperature=temperature)
   return fn
+
+
+def _trimmed_norm(loss_options: dict[str, Any], max_tokens: int,
+                  lm_positions: int | None) -> jax.Array | None:
+  """The ``seq-mean-token-sum-norm`` divisor (f32[]) when K is trimmed to ``lm_positions``
+  and ``loss_scale_factor`` is unset: ``max_tokens`` (the generation budget, verl's padded
+  response length) rather than the trimmed K, so trimming does not rescale the loss (it equals
+  the untrimmed one whenever the untrimmed K is the budget, i.e. W - 1 >= ``max_tokens``).
+  None (each batch's own divisor, :func:`gigrl.update.loss.agg_denominator`) otherwise."""
+  if (lm_positions is None or loss_options["loss_agg_mode"] != "seq-mean-token-sum-norm"
+      or loss_options["loss_scale_factor"] is not None):
+    return None
+  return jnp.asarray(max_tokens, jnp.float32)
 
 
 def _apply_grads(tx: optax.GradientTransformation, params, opt_state, grads, metrics):
@@ -263,14 +279,27 @@ def _apply_grads(tx: optax.GradientTransformation, params, opt_state, grads, met
   return params, opt_state, metrics
 
 
-def _jit_donating(step, in_shardings, out_shardings):
-  """``jax.jit(step)`` donating params and optimizer state, with the shardings when given."""
+def _jit_donating(make: Callable, in_shardings, out_shardings) -> Callable:
+  """``fn(*args, lm_positions=None)``: ``jax.jit(make(lm_positions))(*args)``, donating params
+  and optimizer state, with the shardings when given; one jitted function per
+  ``lm_positions`` (static; jax's ``static_argnames`` do not mix with ``in_shardings``).
+  ``fn.__wrapped__`` is ``lm_positions=None``'s (``.lower``: gigrl.training.aot)."""
   kw = {}
   if in_shardings is not None:
     kw["in_shardings"] = in_shardings
   if out_shardings is not None:
     kw["out_shardings"] = out_shardings
-  return jax.jit(step, donate_argnums=(0, 1), **kw)
+  jits = {}
+
+  def get(lm_positions):
+    if lm_positions not in jits:
+      jits[lm_positions] = jax.jit(make(lm_positions), donate_argnums=(0, 1), **kw)
+    return jits[lm_positions]
+
+  def fn(*args, lm_positions=None):
+    return get(lm_positions)(*args)
+  fn.__wrapped__ = get(None)
+  return fn
 
 
 def _trained_part(params, lora: bool):
@@ -296,16 +325,22 @@ def make_step(loss_fn, tx: optax.GradientTransformation, *, lora: bool = False,
   metrics also hold ``nonfinite_consecutive`` and ``nonfinite_updates`` (skipped updates in a
   row and in total, i32[]). ``in_shardings`` / ``out_shardings`` are passed
   to ``jax.jit`` as they are (e.g. ``(param_sh, opt_sh, data_sh, ...)`` and
-  ``(param_sh, opt_sh, replicated)``), so on a mesh the layout is explicit.
+  ``(param_sh, opt_sh, replicated)``), so on a mesh the layout is explicit. A keyword
+  ``lm_positions`` (static, one program per value) is passed on to ``loss_fn``
+  (:func:`rl_loss_fn`: the LM-head positions per row).
   """
-  def step(params, opt_state, *batch):
-    trained, to_full = _trained_part(params, lora)
-    loss = lambda t: loss_fn(to_full(t), *batch)
-    (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(trained)
-    trained, opt_state, metrics = _apply_grads(tx, trained, opt_state, grads, metrics)
-    return to_full(trained), opt_state, metrics
+  def make(lm_positions):
+    kw = {} if lm_positions is None else {"lm_positions": lm_positions}
 
-  return _jit_donating(step, in_shardings, out_shardings)
+    def step(params, opt_state, *batch):
+      trained, to_full = _trained_part(params, lora)
+      loss = lambda t: loss_fn(to_full(t), *batch, **kw)
+      (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(trained)
+      trained, opt_state, metrics = _apply_grads(tx, trained, opt_state, grads, metrics)
+      return to_full(trained), opt_state, metrics
+    return step
+
+  return _jit_donating(make, in_shardings, out_shardings)
 
 
 # ------------------------------------------------------------------- PPO mini-batches
@@ -348,24 +383,33 @@ def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: 
   ``pg_clipfrac``, ``ppo_kl`` and ``pg_clipfrac_lower`` are token-weighted over micro-batches.
 
   Args:
-    tokens: i32[R, W]; loss_mask, token_advantages: f32[R, W]; old_logprobs: f32[R, K] with
-      K = min(max_tokens, W - 1) (:func:`logprob_fn`); R divisible by ``micro_batches``.
+    tokens: i32[R, W]; loss_mask, token_advantages: f32[R, W]; old_logprobs: f32[R, K]
+      (:func:`logprob_fn`, its first K columns) with K the LM-head positions per row;
+      R divisible by ``micro_batches``.
+    lm_positions: static keyword, one program per value: K on-policy (None = min(max_tokens,
+      W - 1)); otherwise K is ``old_logprobs``' and a value here only marks K as trimmed
+      (:func:`_trimmed_norm`).
   """
   mode = loss_options["loss_agg_mode"]
   lsf = loss_options["loss_scale_factor"]
 
-  def micro_loss(params, ref_params, tokens, mask, adv, old, denom):
-    old = None if on_policy else old
-    return rl_loss(params, graphdef, ref_params, tokens, mask, adv, old, denom,
-                   max_tokens=max_tokens, chunk_size=chunk_size, loss_options=loss_options,
-                   temperature=temperature)
-
-  def step(params, opt_state, ref_params, tokens, loss_mask, token_advantages, old_logprobs):
+  def step(params, opt_state, ref_params, tokens, loss_mask, token_advantages, old_logprobs,
+           lm_positions):
     trained, to_full = _trained_part(params, lora)
     shifted = loss_mask[:, 1:]
-    k = min(max_tokens, shifted.shape[1]) if on_policy else old_logprobs.shape[1]
+    k = min(max_tokens if lm_positions is None else int(lm_positions), max_tokens,
+            shifted.shape[1]) if on_policy else old_logprobs.shape[1]
     compact = jnp.take_along_axis(shifted, compact_positions(shifted, k), axis=1)
     denom = loss_lib.agg_denominator(compact, mode, lsf)
+    fixed = _trimmed_norm(loss_options, max_tokens, lm_positions)
+    denom = denom if fixed is None else fixed
+
+    def micro_loss(params, ref_params, tokens, mask, adv, old, denom):
+      old = None if on_policy else old
+      return rl_loss(params, graphdef, ref_params, tokens, mask, adv, old, denom,
+                     max_tokens=k, chunk_size=chunk_size, loss_options=loss_options,
+                     temperature=temperature)
+
     n_tok = jnp.maximum(shifted.sum(), 1.0)
     split = lambda x: x.reshape((micro_batches, x.shape[0] // micro_batches) + x.shape[1:])
     if on_policy:    # a placeholder row per micro-batch; micro_loss passes None to rl_loss
@@ -394,7 +438,8 @@ def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: 
     trained, opt_state, metrics = _apply_grads(tx, trained, opt_state, grads, metrics)
     return to_full(trained), opt_state, metrics
 
-  return _jit_donating(step, in_shardings, out_shardings)
+  return _jit_donating(lambda k: functools.partial(step, lm_positions=k), in_shardings,
+                       out_shardings)
 
 
 def minibatch_order(num_rows: int, mini_batch_rows: int, epochs: int, *, seed: int,
@@ -446,10 +491,32 @@ def old_logprobs(logprob_step: Callable, params, tokens: np.ndarray, loss_mask: 
       for i in range(0, b, chunk)])
 
 
+# jax's compile phases (jax.monitoring duration events, the same names on jax 0.10 and 0.11)
+_COMPILE_EVENTS = frozenset(("/jax/core/compile/jaxpr_trace_duration",
+                             "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                             "/jax/core/compile/backend_compile_duration"))
+_compiling = {"s": 0.0, "listening": False}
+
+
+def _on_duration(event: str, secs: float, *_, **__) -> None:
+  if event in _COMPILE_EVENTS:
+    _compiling["s"] += secs
+
+
+def compile_seconds() -> float:
+  """Seconds jax has spent compiling (tracing, lowering, XLA) in this process since the first
+  call; a difference around a call is what that call paid for new programs (0.0 when every
+  program it ran was compiled before)."""
+  if not _compiling["listening"]:
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+    _compiling["listening"] = True
+  return _compiling["s"]
+
+
 def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
                loss_mask: np.ndarray, token_advantages: np.ndarray, *, put: Callable,
                mini_batch_rows: int, epochs: int, micro_batch_rows: int, seed: int, step: int,
-               shuffle: bool = True):
+               shuffle: bool = True, lm_positions: int | None = None):
   """One RL step's actor update as verl runs it: old log-probs once, then epochs × mini-batches.
 
   With one mini-batch, one epoch and no micro-batching this is exactly one ``steps.rl_step``
@@ -466,15 +533,20 @@ def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
     tokens: i32[B, W]; loss_mask, token_advantages: f32[B, W] host rows.
     put: host rows -> device array on the training mesh (``build.put_rows``).
     mini_batch_rows, micro_batch_rows: rows per update and per gradient micro-batch.
+    lm_positions: K, the LM-head positions per row (:func:`gigrl.update.batch.lm_positions`,
+      at least every row's loss tokens), a static argument of the steps; None = the steps'
+      bound (the generation budget). The old log-probs are computed at the bound and their
+      first K columns kept (the same values: masked positions come first).
   Returns:
     (params, opt_state, metrics): the metrics averaged over the updates (the skip counters are
     the last update's), plus ``train/updates``.
   """
   b = tokens.shape[0]
+  kw = {} if lm_positions is None else {"lm_positions": int(lm_positions)}
   micro = b if not micro_batch_rows else int(micro_batch_rows)
   if mini_batch_rows >= b and epochs == 1 and micro >= b:
     params, opt_state, m = steps.rl_step(params, opt_state, ref_params, put(tokens),
-                                         put(loss_mask), put(token_advantages))
+                                         put(loss_mask), put(token_advantages), **kw)
     return params, opt_state, dict(jax.device_get(m), **{"train/updates": 1})
   if mini_batch_rows >= b and epochs == 1:   # one update, micro-batched: on-policy, no old pass
     # rows with loss tokens first, so the rows of untrained groups fill whole micro-batches,
@@ -482,18 +554,20 @@ def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
     order = np.argsort(~(loss_mask[:, 1:].sum(axis=1) > 0), kind="stable")
     params, opt_state, m = steps.ppo_step(b // micro, on_policy=True)(
         params, opt_state, ref_params, put(tokens[order]), put(loss_mask[order]),
-        put(token_advantages[order]), None)
+        put(token_advantages[order]), None, **kw)
     return params, opt_state, dict(jax.device_get(m), **{"train/updates": 1})
-  old = old_logprobs(steps.logprob_step, params, tokens, loss_mask, put=put,
-                     chunk_rows=min(micro, mini_batch_rows))
-  n_micro = mini_batch_rows // min(micro, mini_batch_rows)
+  chunk = min(micro, mini_batch_rows)
+  old = old_logprobs(steps.logprob_step, params, tokens, loss_mask, put=put, chunk_rows=chunk)
+  if lm_positions is not None:
+    old = old[:, :lm_positions]
+  n_micro = mini_batch_rows // chunk
   ppo_step = steps.ppo_step(n_micro)
   history = []
   for rows in minibatch_order(b, mini_batch_rows, epochs, seed=seed, step=step,
                               shuffle=shuffle):
     params, opt_state, m = ppo_step(params, opt_state, ref_params, put(tokens[rows]),
                                     put(loss_mask[rows]), put(token_advantages[rows]),
-                                    put(old[rows]))
+                                    put(old[rows]), **kw)
     history.append(jax.device_get(m))
   out = {k: float(np.mean([h[k] for h in history])) for k in history[0]}
   for k in ("nonfinite_consecutive", "nonfinite_updates"):
@@ -516,24 +590,42 @@ def host_metrics(m: dict[str, Any]) -> dict[str, Any]:
 def rl_update(steps: Any, params, opt_state, ref_params, batch, rows: np.ndarray,
               valid_groups: np.ndarray, advantages: np.ndarray, *, put: Callable,
               mini_batch_rows: int, micro_batch_rows: int, epochs: int, seed: int, step: int,
-              shuffle: bool = True):
+              shuffle: bool = True, trim_padding: bool = False,
+              max_lm_positions: int | None = None):
   """One RL step's update on its trained groups: their token batch
   (:func:`gigrl.update.batch.train_batch`), then :func:`ppo_update`.
 
   Args:
     batch: the rollout batch; rows i32[P, G], valid_groups bool[P] (the trained groups);
       advantages: f32[P, G, T]. The rest as :func:`ppo_update`.
+    trim_padding: ``train.trim_update_padding``: W from the valid groups' rows only and (with
+      ``max_lm_positions``) K = :func:`gigrl.update.batch.lm_positions` of the trained rows,
+      both bucketed; the loss and gradients are those of the untrimmed shapes (to rounding).
+      False: W of every selected row, K = the steps' bound.
+    max_lm_positions: the steps' bound on K (``build.max_generated_tokens``); None = K is
+      not trimmed.
   Returns:
-    (params, opt_state, metrics (:func:`host_metrics`), seconds the update took). With no
-    valid group the params are unchanged and the loss, KL and policy-gradient loss are 0.
+    (params, opt_state, metrics (:func:`host_metrics`, plus ``update/width`` W,
+    ``update/lm_positions`` K (0 if unknown) and ``time/update_compile_s``, the seconds of it
+    jax spent compiling: > 0 on a step that met a new (W, K), :func:`compile_seconds`),
+    seconds the update took). With no valid group the params are unchanged, nothing runs and
+    the loss, KL and policy-gradient loss are 0.
   """
-  tokens, mask, tok_adv = batch_lib.train_batch(batch, rows, valid_groups, advantages)
-  t0 = time.perf_counter()
+  tokens, mask, tok_adv = batch_lib.train_batch(batch, rows, valid_groups, advantages,
+                                                trained_width=trim_padding)
+  w = tokens.shape[1]
+  k = None
+  if trim_padding and max_lm_positions:
+    k = batch_lib.lm_positions(mask, max_lm_positions)
+  shapes = {"update/width": float(w), "update/lm_positions": float(
+      k or (min(max_lm_positions, w - 1) if max_lm_positions else 0))}
+  t0, c0 = time.perf_counter(), compile_seconds()
   if not np.asarray(valid_groups).any():
-    return params, opt_state, {"loss": 0.0, "kl": 0.0, "pg_loss": 0.0}, time.perf_counter() - t0
+    m = {"loss": 0.0, "kl": 0.0, "pg_loss": 0.0, **shapes, "time/update_compile_s": 0.0}
+    return params, opt_state, m, time.perf_counter() - t0
   params, opt_state, m = ppo_update(
       steps, params, opt_state, ref_params, tokens, mask, tok_adv, put=put,
       mini_batch_rows=mini_batch_rows, epochs=epochs, micro_batch_rows=micro_batch_rows,
-      seed=seed, step=step, shuffle=shuffle)
-  m = host_metrics(m)
+      seed=seed, step=step, shuffle=shuffle, lm_positions=k)
+  m = dict(host_metrics(m), **shapes, **{"time/update_compile_s": compile_seconds() - c0})
   return params, opt_state, m, time.perf_counter() - t0

@@ -1,0 +1,185 @@
+"""The RL update's shapes come from the trained rows (``train.trim_update_padding``): the width
+W from the valid groups' rows only (filler rows cut to it), the LM-head positions K from their
+generated tokens, both bucketed; the loss and gradients are those of the untrimmed shapes, and
+the metrics line says when a step paid for compiling a new shape (``time/update_compile_s``).
+
+The batch: P = 4 groups × G = 2 rollouts of a tiny model, S = 160. The three valid groups'
+rows are short (a 20-token prompt, <= 21 generated tokens: W = 64, K = 32); the invalid
+(filler) group's rows are long (150 tokens, 60 generated: W = 160 and K = 80, the generation
+budget (max_turns + 1) × max_new_tokens, when they count).
+"""
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax import monitoring
+
+from gigrl import config as config_lib
+from gigrl.config_utils import ConfigError
+from gigrl.models import config as mcfg
+from gigrl.models import sharding as shd
+from gigrl.models import transformer as tfm
+from gigrl.rollout import trajectory as traj_lib
+from gigrl.training import build
+from gigrl.update import batch as batch_lib
+from gigrl.update import step as update_lib
+
+P, G, S, T = 4, 2, 160, 2
+VALID = np.array([True, True, False, True])     # group 2 (rows 4, 5) is filler
+ROWS = np.arange(P * G, dtype=np.int32).reshape(P, G)
+
+
+def _cfg(**train):
+  cfg = config_lib.base_config()
+  cfg.data.prompts_per_step, cfg.data.group_size = P, G
+  cfg.rollout.max_turns, cfg.rollout.max_new_tokens = 1, 40     # K bound 80
+  cfg.train.learning_rate = 1e-2
+  cfg.train.eps = 1.0     # Adam step ≈ lr·g: the params compare the gradients (test_ppo_minibatch)
+  cfg.loss.use_kl_loss, cfg.loss.kl_loss_coef, cfg.loss.entropy_coeff = True, 0.1, 0.01
+  for k, v in train.items():
+    cfg.train[k] = v
+  config_lib.validate(cfg)
+  return cfg
+
+
+def _policy(seed=0):
+  model_cfg = mcfg.PRESETS["tiny"].replace(vocab_size=64, num_layers=1)
+  mesh = shd.make_mesh({"data": 1, "fsdp": 1, "tp": 1}, devices=jax.devices()[:1])
+  graphdef, params = nnx.split(tfm.Transformer(model_cfg, rngs=nnx.Rngs(seed)))
+  param_sh = shd.param_shardings(params, mesh, "fsdp")
+  params = shd.shard_state(params, mesh, "fsdp")
+  return build.Policy(model_cfg=model_cfg, graphdef=graphdef, mesh=mesh, params=params,
+                      param_sh=param_sh, train_preset="fsdp", rollout_preset="fsdp")
+
+
+def _batch(gen=(5, 9, 14, 3, 60, 60, 21, 8), obs=10):
+  """Row r: a 20-token prompt, gen[r] // 2 generated, an observation, the rest generated (two
+  turns); filler rows 4 and 5 also carry 60 generated tokens of padding-length."""
+  rng = np.random.default_rng(0)
+  builders = []
+  for r, n in enumerate(gen):
+    tb = traj_lib.TrajectoryBuilder()
+    tb.add_prompt(rng.integers(1, 64, 20), anchor=f"q{r // G}")
+    tb.add_generation(rng.integers(1, 64, n // 2), "<search> x </search>")
+    tb.add_observation(rng.integers(1, 64, obs if n < 60 else 70), anchor="o")
+    tb.add_generation(rng.integers(1, 64, n - n // 2), "<answer> a </answer>")
+    builders.append(tb)
+  return traj_lib.collate(builders, S, 0)
+
+
+def _advantages():
+  return np.random.default_rng(1).normal(size=(P, G, T)).astype(np.float32)
+
+
+def _leaves(params):
+  return [np.asarray(x, np.float64) for x in jax.tree.leaves(params)]
+
+
+_REF = {}
+
+
+def _update(cfg, policy, steps, batch, *, trim, valid=VALID, step=1):
+  mini, micro = build.ppo_rows(cfg)
+  copy = lambda tree: jax.tree.map(lambda x: x.copy(), tree)
+  if id(steps) not in _REF:    # init_opt jits anew on each call: one state per steps, copied
+    _REF[id(steps)] = steps, steps.init_opt(steps.rl_tx, policy.params), _policy(1).params
+  _, opt, ref = _REF[id(steps)]
+  return update_lib.rl_update(
+      steps, copy(policy.params), copy(opt), ref, batch,
+      ROWS, valid, _advantages(), put=lambda x: build.put_rows(policy.mesh, x),
+      mini_batch_rows=mini, micro_batch_rows=micro, epochs=int(cfg.train.ppo_epochs),
+      seed=0, step=step, shuffle=True, trim_padding=trim,
+      max_lm_positions=build.max_generated_tokens(cfg))
+
+
+def test_width_comes_from_the_valid_groups_rows_only():
+  b = _batch()
+  assert b.lengths.tolist() == [35, 39, 44, 33, 150, 150, 51, 38]
+  adv = _advantages()
+  tokens, mask, tok_adv = batch_lib.train_batch(b, ROWS, VALID, adv)
+  assert tokens.shape == mask.shape == tok_adv.shape == (P * G, 64)   # bucket(51), not 150
+  np.testing.assert_array_equal(tokens, b.tokens[:, :64])              # filler rows cut to W
+  assert mask[4:6].sum() == 0 and mask[[0, 1, 2, 3, 6, 7]].sum() == 5 + 9 + 14 + 3 + 21 + 8
+  full, full_mask, full_adv = batch_lib.train_batch(b, ROWS, VALID, adv, trained_width=False)
+  assert full.shape == (P * G, S)                                      # min(bucket(150), S)
+  np.testing.assert_array_equal(full_mask[:, :64], mask)
+  np.testing.assert_array_equal(full_adv[:, :64], tok_adv)
+  assert full_mask[:, 64:].sum() == 0
+  # no valid group: one bucket
+  none, none_mask, _ = batch_lib.train_batch(b, ROWS, np.zeros(P, bool), adv)
+  assert none.shape == (P * G, 64) and none_mask.sum() == 0
+
+
+def test_lm_positions_are_the_trained_rows_generated_tokens_bucketed():
+  b = _batch()
+  _, mask, _ = batch_lib.train_batch(b, ROWS, VALID, _advantages())
+  assert batch_lib.lm_positions(mask, 80) == 32          # 21 generated tokens at most
+  _, all_mask, _ = batch_lib.train_batch(b, ROWS, np.ones(P, bool), _advantages())
+  assert batch_lib.lm_positions(all_mask, 80) == 64      # the 60 of the filler rows count now
+  assert batch_lib.lm_positions(all_mask, 50) == 50      # capped at the bound
+  assert batch_lib.lm_positions(np.ones((2, 40), np.float32), 80) == 39   # and at W - 1
+  assert batch_lib.lm_positions(np.zeros((2, 64), np.float32), 80) == 32   # one bucket
+
+
+@pytest.mark.parametrize("train,mode", [
+    ({}, "token-mean"),                                  # one rl_step
+    ({}, "seq-mean-token-sum-norm"),                     # its divisor stays the budget
+    ({"micro_batch_size": 2}, "token-mean"),             # one on-policy ppo_step
+    ({"ppo_mini_batch_size": 2}, "token-mean"),          # old log-probs + 2 updates
+    ({"ppo_epochs": 2, "micro_batch_size": 4}, "seq-mean-token-sum-norm"),
+])
+def test_trimmed_update_equals_the_untrimmed_one(train, mode):
+  cfg, policy = _cfg(**train), _policy(0)
+  cfg.loss.loss_agg_mode = mode
+  steps = build.build_steps(cfg, policy)
+  b = _batch()
+  p_on, _, m_on, _ = _update(cfg, policy, steps, b, trim=True)
+  p_off, _, m_off, _ = _update(cfg, policy, steps, b, trim=False)
+  assert (m_on["update/width"], m_on["update/lm_positions"]) == (64, 32)
+  assert (m_off["update/width"], m_off["update/lm_positions"]) == (S, 80)
+  assert m_on["train/updates"] == m_off["train/updates"] == update_lib.updates_per_step(
+      cfg.train, P)
+  for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "pg_clipfrac", "ppo_kl"):
+    np.testing.assert_allclose(m_on[k], m_off[k], rtol=1e-5, atol=1e-7, err_msg=k)
+  assert abs(m_on["kl"]) > 0 and m_on["grad_norm"] > 0
+  for a, c, w in zip(_leaves(p_on), _leaves(p_off), _leaves(policy.params)):
+    np.testing.assert_allclose(a - w, c - w, rtol=1e-4, atol=1e-8)
+
+
+def test_a_step_that_compiles_says_so():
+  """``time/update_compile_s`` > 0 exactly on a step whose (program, W, K) is new, and it agrees
+  with the XLA compiles jax reports during the update."""
+  cfg, policy = _cfg(), _policy(0)
+  steps = build.build_steps(cfg, policy)
+  compiled = []
+  listener = lambda name, *_, **__: compiled.append(
+      name == "/jax/core/compile/backend_compile_duration")
+  monitoring.register_event_duration_secs_listener(listener)
+  got = []
+  try:
+    for trim, batch in ((True, _batch()), (True, _batch()),
+                        (True, _batch(gen=(5, 9, 40, 3, 60, 60, 21, 8))), (True, _batch()),
+                        (False, _batch()), (False, _batch())):
+      compiled.clear()
+      m = _update(cfg, policy, steps, batch, trim=trim)[2]
+      got.append((m["update/width"], m["update/lm_positions"], m["time/update_compile_s"] > 0,
+                  any(compiled)))
+  finally:
+    getattr(monitoring, "unregister_event_duration_listener", lambda _: None)(listener)
+  # the third batch has a row of 40 generated tokens (70 in all): W = 128, K = 64, new programs
+  assert got == [(64, 32, True, True), (64, 32, False, False), (128, 64, True, True),
+                 (64, 32, False, False), (S, 80, True, True), (S, 80, False, False)]
+  m = _update(cfg, policy, steps, _batch(), trim=True, valid=np.zeros(P, bool))[2]
+  assert (m["time/update_compile_s"], m["loss"]) == (0.0, 0.0)
+
+
+def test_the_switch_is_on_by_default_and_validated():
+  cfg = config_lib.base_config()
+  assert cfg.train.trim_update_padding is True
+  cfg.train.trim_update_padding = False
+  config_lib.validate(cfg)
+  del cfg.train["trim_update_padding"]      # past the ConfigDict's own type check
+  cfg.train.trim_update_padding = "yes"
+  with pytest.raises(ConfigError) as e:
+    config_lib.validate(cfg)
+  assert e.value.field == "train.trim_update_padding" and "True, False" in str(e.value)
