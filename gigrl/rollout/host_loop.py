@@ -49,6 +49,7 @@ class HostLoopEngine:
     self.stops = turns.stop_sequences(tokenizer)
     turns.check_settings(tokenizer, settings)
     self.invalid_ids = traj_lib.invalid_observation_ids(tokenizer)
+    self.programs: set[tuple] = set()   # static shapes met so far: one compiled program each
 
   def run(self, params, questions: Sequence[str], key: jax.Array
           ) -> tuple[traj_lib.TrajectoryBatch, dict[str, float]]:
@@ -73,6 +74,7 @@ class HostLoopEngine:
       ``rollout/decode_steps/turn=t`` (decode loop iterations); ``rollout/token_rows`` (token
       rows computed: prefill, extend and decode, padding included), ``rollout/real_tokens``
       (the real tokens among them), ``rollout/padding_frac`` (1 - real / computed),
+      ``rollout/new_programs`` (static shapes this rollout met first: a compile each) and ``rollout/programs`` (all met by this engine),
       ``rollout/trajectory_tokens`` (prompt, observation and generated tokens of the
       trajectories: what every saving off computes without padding; with a group's prompt
       prefilled once, ``token_rows`` can be below it); ``rollout/generated_tokens`` and
@@ -106,6 +108,7 @@ class HostLoopEngine:
       rows = self._compact(live) if s.compact_rows else None
       span = self._span(int(pos[live].max(initial=0)) + s.max_new_tokens, s_max)
       progress.report(f"rollout turn {turn + 1}/{s.max_turns + 1}: decode {len(live)} rows")
+      self._program(work, "decode", b if rows is None else len(rows), span)
       out = sampler_lib.decode(
           self.graphdef, params, cache, logits, sub, self._rows(active), budget,
           max_new_tokens=s.max_new_tokens, stop_sequences=self.stops,
@@ -140,7 +143,9 @@ class HostLoopEngine:
     work["rollout/decode_steps"] = float(sum(v for k, v in work.items()
                                              if k.startswith("rollout/decode_steps/")))
     work["rollout/padding_frac"] = padding_frac(work)
-    metrics = {**work, "rollout/generated_tokens": float(batch.num_generated_tokens),
+    work.setdefault("rollout/new_programs", 0.0)
+    metrics = {**work, "rollout/programs": float(len(self.programs)),
+               "rollout/generated_tokens": float(batch.num_generated_tokens),
                "rollout/retriever_calls": float(calls)}
     return batch, metrics
 
@@ -170,14 +175,14 @@ class HostLoopEngine:
       logits, cache = self._extend(params, cache, logits, head, reps[:len(head)], width,
                                    compact=True, work=work)
       cache, logits = self._copy(cache, logits, np.full(len(reps) - 1, reps[0]) if cut
-                                 else np.zeros(0, np.int64), reps[1:] if cut else reps[:0])
+                                 else np.zeros(0, np.int64), reps[1:] if cut else reps[:0], work)
     tails = [list(prompts[i][cut:]) for i in reps]
     width = self._agree(s.width(max(len(t) for t in tails), s.max_prompt_tokens))
     compact = s.compact_rows or s.prefill_once_per_group or s.shared_prefix
     logits, cache = self._extend(params, cache, logits, tails, reps, width, compact=compact,
                                  work=work, end=int(pos.max(initial=0)))
     dups = np.flatnonzero(rep != np.arange(b))
-    cache, logits = self._copy(cache, logits, rep[dups], dups)
+    cache, logits = self._copy(cache, logits, rep[dups], dups, work)
     return logits, cache
 
   def _extend_observations(self, params, cache, logits, obs, pos, work):
@@ -211,23 +216,33 @@ class HostLoopEngine:
       toks, lens = turns.pad_rows(rows_tokens, n, width, self.tok.pad_id)
       work["rollout/token_rows"] += float(n * width)
       work["rollout/real_tokens"] += float(lens.sum())
+      self._program(work, "extend", len(idx), width, span)
       return sampler_lib.extend_last(self.graphdef, params, cache, self._rows(toks),
                                      self._rows(lens), logits, idx, span=span)
     toks, lens = turns.pad_rows(rows_tokens, b, width, self.tok.pad_id)
     work["rollout/token_rows"] += float(b * width)
     work["rollout/real_tokens"] += float(lens.sum())
+    self._program(work, "extend", None, width, span)
     return sampler_lib.extend_last(self.graphdef, params, cache, self._rows(toks),
                                    self._rows(lens), logits, span=span)
 
-  def _copy(self, cache, logits, src, dst):
+  def _copy(self, cache, logits, src, dst, work):
     """Copies local rows ``src`` to local rows ``dst`` (KV rows and logits); a no-op when no
     process has any."""
     n = self._agree(len(dst))
     if n == 0:
       return cache, logits
     n = self._row_bucket(n)
+    self._program(work, "copy_rows", n)
     return sampler_lib.copy_rows(cache, logits, self._global_index(src, n, fill=0),
                                  self._global_index(dst, n))
+
+  def _program(self, work, *shape) -> None:
+    """Counts a call's static shape: ``rollout/new_programs`` of this rollout (each a compile
+    the first time), ``rollout/programs`` met by this engine so far."""
+    if shape not in self.programs:
+      self.programs.add(shape)
+      work["rollout/new_programs"] = work.get("rollout/new_programs", 0.0) + 1.0
 
   def _compact(self, local: np.ndarray) -> np.ndarray:
     """Global row indices (identical on every process) of each process's ``local`` rows, each
