@@ -1,15 +1,18 @@
-"""Progress lines from inside long calls (a rollout's turns, an update's micro-batches).
+"""What long calls report: progress lines (a rollout's turns) and the seconds jax spent compiling.
 
 A rollout of the SmolLM2 recipe takes a minute and a 300-question evaluation several; a
 progress bar that only moves between them stands still for minutes. The stage that knows how far
 it is calls :func:`report` (a no-op unless someone listens); the tool that owns the bar listens
-with :func:`reporting`, e.g. ``with progress.reporting(bar.set_postfix_str): ...``. Used by
-every stage, imports nothing.
+with :func:`reporting`, e.g. ``with progress.reporting(bar.set_postfix_str): ...``.
+:func:`compile_seconds` tells a step whether it paid for new programs (``time/*_compile_s``).
+Used by every stage; imports only jax.
 """
 from __future__ import annotations
 
 import contextlib
 from typing import Callable, Iterator
+
+import jax
 
 _listeners: list[Callable[[str], None]] = []
 
@@ -29,3 +32,26 @@ def reporting(fn: Callable[[str], None]) -> Iterator[None]:
     yield
   finally:
     _listeners.pop()
+
+
+# jax's compile phases (jax.monitoring duration events, the same names on jax 0.10 and 0.11)
+_COMPILE_EVENTS = frozenset(("/jax/core/compile/jaxpr_trace_duration",
+                             "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                             "/jax/core/compile/backend_compile_duration"))
+_compiling = {"s": 0.0, "listening": False}
+
+
+def _on_duration(event: str, secs: float, *_, **__) -> None:
+  if event in _COMPILE_EVENTS:
+    _compiling["s"] += secs
+
+
+def compile_seconds() -> float:
+  """Seconds jax has spent compiling (tracing, lowering, XLA) in this process since the first
+  call; a difference around a call is what that call paid for new programs (0.0 when every
+  program it ran was compiled before). A duration, not a count: a resumed run compiles again,
+  and its metrics lines must equal an uninterrupted run's but for timings."""
+  if not _compiling["listening"]:
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+    _compiling["listening"] = True
+  return _compiling["s"]

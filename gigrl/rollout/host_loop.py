@@ -74,7 +74,8 @@ class HostLoopEngine:
       ``rollout/decode_steps/turn=t`` (decode loop iterations); ``rollout/token_rows`` (token
       rows computed: prefill, extend and decode, padding included), ``rollout/real_tokens``
       (the real tokens among them), ``rollout/padding_frac`` (1 - real / computed),
-      ``rollout/new_programs`` (static shapes this rollout met first: a compile each) and ``rollout/programs`` (all met by this engine),
+      ``time/rollout_compile_s`` (seconds jax compiled in this rollout: > 0 when it met a new
+      static shape; the shapes met so far are ``engine.programs``),
       ``rollout/trajectory_tokens`` (prompt, observation and generated tokens of the
       trajectories: what every saving off computes without padding; with a group's prompt
       prefilled once, ``token_rows`` can be below it); ``rollout/generated_tokens`` and
@@ -90,7 +91,7 @@ class HostLoopEngine:
             "time/search_s": 0.0, "rollout/token_rows": 0.0, "rollout/real_tokens": 0.0,
             "rollout/trajectory_tokens": 0.0}
     s_max = s.seq_len + 1
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), progress.compile_seconds()
     progress.report(f"rollout: prefill {b} rows")
     logits = self._rows(np.zeros((b, self.model_cfg.vocab_size), np.float32))
     cache = self._init_cache(logits.shape[0], s_max)
@@ -143,9 +144,8 @@ class HostLoopEngine:
     work["rollout/decode_steps"] = float(sum(v for k, v in work.items()
                                              if k.startswith("rollout/decode_steps/")))
     work["rollout/padding_frac"] = padding_frac(work)
-    work.setdefault("rollout/new_programs", 0.0)
-    metrics = {**work, "rollout/programs": float(len(self.programs)),
-               "rollout/generated_tokens": float(batch.num_generated_tokens),
+    work["time/rollout_compile_s"] = progress.compile_seconds() - c0
+    metrics = {**work, "rollout/generated_tokens": float(batch.num_generated_tokens),
                "rollout/retriever_calls": float(calls)}
     return batch, metrics
 
@@ -238,11 +238,9 @@ class HostLoopEngine:
                                  self._global_index(dst, n))
 
   def _program(self, work, *shape) -> None:
-    """Counts a call's static shape: ``rollout/new_programs`` of this rollout (each a compile
-    the first time), ``rollout/programs`` met by this engine so far."""
-    if shape not in self.programs:
-      self.programs.add(shape)
-      work["rollout/new_programs"] = work.get("rollout/new_programs", 0.0) + 1.0
+    """Records a call's static shape in ``self.programs`` (one compiled program each)."""
+    del work
+    self.programs.add(shape)
 
   def _compact(self, local: np.ndarray) -> np.ndarray:
     """Global row indices (identical on every process) of each process's ``local`` rows, each

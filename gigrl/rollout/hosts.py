@@ -53,9 +53,7 @@ class ProcessShare:
     # counts (tokens, callbacks, retriever requests) add up over processes; wall times and the
     # decode loop's step count (one loop over the global batch) are the slowest process's
     out = distributed.reduce_metrics(
-        metrics, maximum=[k for k in metrics if k.startswith(("time/", "rollout/decode_steps",
-                                                        "rollout/programs",
-                                                        "rollout/new_programs"))])
+        metrics, maximum=[k for k in metrics if k.startswith(("time/", "rollout/decode_steps"))])
     if "rollout/padding_frac" in out:       # a ratio: recomputed from the summed counts
       rows = out.get("rollout/token_rows", 0.0)
       out["rollout/padding_frac"] = (1.0 - out.get("rollout/real_tokens", 0.0) / rows

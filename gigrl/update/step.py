@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 
 from gigrl import distributed
+from gigrl import progress
 from gigrl.update import batch as batch_lib
 from gigrl.update import loss as loss_lib
 from gigrl.models import logprobs as logprobs_lib
@@ -491,26 +492,7 @@ def old_logprobs(logprob_step: Callable, params, tokens: np.ndarray, loss_mask: 
       for i in range(0, b, chunk)])
 
 
-# jax's compile phases (jax.monitoring duration events, the same names on jax 0.10 and 0.11)
-_COMPILE_EVENTS = frozenset(("/jax/core/compile/jaxpr_trace_duration",
-                             "/jax/core/compile/jaxpr_to_mlir_module_duration",
-                             "/jax/core/compile/backend_compile_duration"))
-_compiling = {"s": 0.0, "listening": False}
-
-
-def _on_duration(event: str, secs: float, *_, **__) -> None:
-  if event in _COMPILE_EVENTS:
-    _compiling["s"] += secs
-
-
-def compile_seconds() -> float:
-  """Seconds jax has spent compiling (tracing, lowering, XLA) in this process since the first
-  call; a difference around a call is what that call paid for new programs (0.0 when every
-  program it ran was compiled before)."""
-  if not _compiling["listening"]:
-    jax.monitoring.register_event_duration_secs_listener(_on_duration)
-    _compiling["listening"] = True
-  return _compiling["s"]
+compile_seconds = progress.compile_seconds   # (re-exported: tests and callers)
 
 
 def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
