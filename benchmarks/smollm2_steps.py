@@ -106,8 +106,9 @@ def phase_stats(rows: list[dict], phase: str, n_params: int, peak: float) -> dic
     out["rollout_s"] = statistics.median(r["time/rollout_s"] for r in steps)
     out["update_s"] = statistics.median(r["time/update_s"] for r in steps)
     for k in ("time/prefill_s", "time/extend_s", "time/decode_s", "time/search_s",
+              "time/rollout_compile_s", "time/update_compile_s",
               "rollout/trajectory_tokens", "rollout/token_rows", "rollout/padding_frac",
-              "rollout/decode_steps"):
+              "rollout/decode_steps", "update/width", "update/lm_positions"):
       if all(k in r for r in steps):
         out[k] = statistics.median(r[k] for r in steps)
   out["train_tokens_per_step"] = tps * (out.get("update_s") or t)
@@ -118,7 +119,8 @@ def phase_stats(rows: list[dict], phase: str, n_params: int, peak: float) -> dic
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--sft_steps", type=int, default=4)
-  p.add_argument("--rl_steps", type=int, default=3)
+  p.add_argument("--rl_steps", type=int, default=3,
+                 help="RL steps per run (the first, which compiles, is not timed)")
   p.add_argument("--init_from", default="", help="a run at the end of its SFT (for RL)")
   p.add_argument("--quick", action="store_true", help="2 SFT steps, no RL")
   p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",

@@ -57,6 +57,7 @@ def rollout_config() -> ml_collections.ConfigDict:
   c.compact_rows = True        # observation extends and decode turns compute only the rows that need them
   c.slot_bucket = 128          # attention and cache copies read written slots only, rounded up to this; 0 = all
   c.width_bucket = 32          # prompt / observation widths rounded up to this; 0 = max_prompt / max_obs_tokens
+  c.decode_chunk = 16          # decode steps per call: rows that ended their turn leave between calls; 0 = a turn
   return c
 
 
@@ -179,6 +180,7 @@ def _validate_rollout(cfg):
   check_range(cfg, "rollout.top_k", 0, integer=True)
   check_range(cfg, "rollout.slot_bucket", 0, integer=True)
   check_range(cfg, "rollout.width_bucket", 0, integer=True)
+  check_range(cfg, "rollout.decode_chunk", 0, integer=True)
 
 
 def _validate_train(cfg):

@@ -77,8 +77,9 @@ def bpe(bpe_dir):
   return tok_lib.load(bpe_dir)
 
 
+# decode_chunk=0: the scripted policy writes a whole turn per decode call
 SETTINGS = engine_lib.RolloutSettings(max_turns=2, max_new_tokens=48, max_obs_tokens=80,
-                                     max_prompt_tokens=256, topk_docs=2)
+                                     max_prompt_tokens=256, topk_docs=2, decode_chunk=0)
 
 
 def _run(monkeypatch, tok, script, max_turns=2):

@@ -25,9 +25,9 @@ from gigrl.testing import FakeRetriever
 
 SETTINGS = turns.RolloutSettings(max_turns=2, max_new_tokens=24, max_obs_tokens=80,
                                  max_prompt_tokens=256, topk_docs=2, greedy=True,
-                                 slot_bucket=32, width_bucket=16)
+                                 slot_bucket=32, width_bucket=16, decode_chunk=8)
 SWITCHES = ("prefill_once_per_group", "shared_prefix", "compact_rows", "slot_bucket",
-            "width_bucket")
+            "width_bucket", "decode_chunk")
 FIELDS = ("tokens", "loss_mask", "step_ids", "lengths", "search_calls", "num_steps")
 
 
@@ -92,8 +92,8 @@ def test_each_saving_alone_equals_all_off(model, tok, questions, reference, name
   batch, m = _run(model, tok, _only(name), questions)
   assert_same(batch, ref)
   # The span saves attention reads, not token rows; the shared prefix saves rows once widths
-  # are bucketed (test_shared_prefix_saves_rows).
-  if name not in ("slot_bucket", "shared_prefix"):
+  # are bucketed (test_shared_prefix_saves_rows); decode chunks only with compact_rows on.
+  if name not in ("slot_bucket", "shared_prefix", "decode_chunk"):
     assert m["rollout/token_rows"] < ref_m["rollout/token_rows"], name
 
 
@@ -101,6 +101,18 @@ def test_shared_prefix_saves_rows(model, tok, questions):
   _, on = _run(model, tok, SETTINGS, questions)
   _, off = _run(model, tok, dataclasses.replace(SETTINGS, shared_prefix=False), questions)
   assert on["rollout/token_rows"] < off["rollout/token_rows"]
+
+
+def test_decode_chunks_drop_finished_rows(model, tok, questions, reference):
+  """With compact_rows, a turn decoded in chunks of 8 steps drops the rows whose turn ended
+  after each chunk: the same tokens (the stop window and key streams continue across chunks,
+  multi-token stops included) for fewer decode rows than one whole-turn call."""
+  ref, _ = reference
+  whole, m_whole = _run(model, tok, dataclasses.replace(SETTINGS, decode_chunk=0), questions)
+  chunked, m_chunked = _run(model, tok, SETTINGS, questions)
+  assert_same(whole, ref)
+  assert_same(chunked, ref)
+  assert m_chunked["rollout/token_rows"] < m_whole["rollout/token_rows"]
 
 
 def test_sampled_rollouts_equal_with_a_fixed_key(model, tok, questions):

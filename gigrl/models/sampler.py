@@ -48,6 +48,7 @@ class DecodeOut(NamedTuple):
     stopped: bool[B] the row completed a stop sequence (included in tokens).
     cache: KVCache holding every generated token.
     next_logits: f32[B, V] logits after each row's last fed token.
+    window: i32[B, L] each row's last L generated tokens (for a continuation's stop check).
   """
   tokens: jax.Array
   logprobs: jax.Array
@@ -56,6 +57,7 @@ class DecodeOut(NamedTuple):
   stopped: jax.Array
   cache: KVCache
   next_logits: jax.Array
+  window: Any = None
 
 
 # --------------------------------------------------------------------------- extend
@@ -424,15 +426,20 @@ def _kv_pos(kv):
     jax.jit, static_argnums=(0,), donate_argnums=(2,),
     static_argnames=("max_new_tokens", "top_k", "top_p", "greedy", "span"))
 def _decode(graphdef, state, cache, next_logits, rng, active, budget, stops,
-            temperature, rows, row_ids, *, max_new_tokens, top_k, top_p, greedy, span):
+            temperature, rows, row_ids, window, step0, *, max_new_tokens, top_k, top_p, greedy,
+            span):
   model = nnx.merge(graphdef, state)
   full_b, n = next_logits.shape[0], max_new_tokens
   full_cache, full_logits = cache, next_logits
+  if window is None:
+    window = jnp.full((full_b, stops.shape[1]), -2, jnp.int32)
+  full_window = window
   cache = take_rows(cache, rows, span)
   if rows is not None:
     next_logits = next_logits.at[rows].get(mode="fill", fill_value=0)
     active = active.at[rows].get(mode="fill", fill_value=False)
     budget = budget.at[rows].get(mode="fill", fill_value=0)
+    window = window.at[rows].get(mode="fill", fill_value=-2)
     if row_ids is not None:
       row_ids = row_ids.at[rows].get(mode="fill", fill_value=0)
   b = next_logits.shape[0]
@@ -445,7 +452,7 @@ def _decode(graphdef, state, cache, next_logits, rng, active, budget, stops,
   def body(c: _Carry) -> _Carry:
     key, sub = jax.random.split(c.key)
     if row_ids is not None:
-      sub = row_keys(rng, row_ids, c.i)
+      sub = row_keys(rng, row_ids, step0 + c.i)
     act = live(c)
     out = decode_step(feed, c.kv, c.logits, c.window, act, sub, stops, temperature,
                       top_k=top_k, top_p=top_p, greedy=greedy)
@@ -467,19 +474,20 @@ def _decode(graphdef, state, cache, next_logits, rng, active, budget, stops,
       tokens=jnp.full((b, n), PAD_TOKEN, jnp.int32),
       logprobs=jnp.zeros((b, n), jnp.float32), mask=jnp.zeros((b, n), bool),
       lengths=jnp.zeros((b,), jnp.int32), stopped=jnp.zeros((b,), bool),
-      window=jnp.full((b, stops.shape[1]), -2, jnp.int32))
+      window=window)
   c = jax.lax.while_loop(cond, body, c0)
   out_cache = put_rows(full_cache, rows, span, finish(c.kv))
   if rows is None:
     return DecodeOut(c.tokens, c.logprobs, c.mask, c.lengths, c.stopped, out_cache,
-                     c.logits)
+                     c.logits, c.window)
 
   def scatter(x, fill):
     return jnp.full((full_b,) + x.shape[1:], fill, x.dtype).at[rows].set(x, mode="drop")
   return DecodeOut(scatter(c.tokens, PAD_TOKEN), scatter(c.logprobs, 0.0),
                    scatter(c.mask, False), scatter(c.lengths, 0), scatter(c.stopped, False),
                    out_cache, full_logits.astype(jnp.float32).at[rows].set(c.logits,
-                                                                           mode="drop"))
+                                                                           mode="drop"),
+                   full_window.at[rows].set(c.window, mode="drop"))
 
 
 def as_stop_array(stop_sequences) -> jax.Array:
@@ -501,7 +509,8 @@ def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
            budget: jax.Array, *, max_new_tokens: int, stop_sequences=None,
            temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
            greedy: bool = False, rows: jax.Array | None = None,
-           row_ids: jax.Array | None = None, span: int | None = None) -> DecodeOut:
+           row_ids: jax.Array | None = None, span: int | None = None,
+           window: jax.Array | None = None, step0: int = 0) -> DecodeOut:
   """Samples up to `max_new_tokens` tokens per row inside one `lax.while_loop`.
 
   Each step samples from `next_logits`, feeds the sampled token of every live row
@@ -529,11 +538,16 @@ def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
       per step is split from ``rng`` for the whole batch.
     span: static slot count (:func:`span_slots`): the loop reads and copies only slots
       [0, span); every row's last generated token must land below it.
+    window, step0: continue a turn decoded in chunks: each row's last generated tokens
+      (i32[B, L], a previous call's ``DecodeOut.window``; default none yet) so a stop sequence
+      split between two calls still ends the turn, and the decode step the call starts at
+      (the per-row key streams go on from it).
   Returns:
     DecodeOut (B rows); `logprobs` are raw-model temperature-1 log-probs (module docstring).
   """
   return _decode(graphdef, state, cache, next_logits, rng, active, budget,
                  as_stop_array(stop_sequences), jnp.float32(temperature), rows, row_ids,
+                 window, jnp.int32(step0),
                  max_new_tokens=int(max_new_tokens), top_k=int(top_k),
                  top_p=float(top_p), greedy=bool(greedy), span=span)
 

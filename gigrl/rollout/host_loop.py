@@ -99,33 +99,18 @@ class HostLoopEngine:
     logits, cache = self._prefill(params, cache, logits, prompts, pos, work)
     work["time/prefill_s"] = _synced(logits, t0)
     active = np.ones((b,), bool)
-    budget = self._rows(np.full((b,), s.max_new_tokens, np.int32))
     row_ids = self._rows(np.arange(b, dtype=np.int32) + np.int32(jax.process_index() * b))
     calls = 0
     for turn in range(s.max_turns + 1):
       key, sub = jax.random.split(key)
       t0 = time.perf_counter()
       live = np.flatnonzero(active)
-      rows = self._compact(live) if s.compact_rows else None
-      span = self._span(int(pos[live].max(initial=0)) + s.max_new_tokens, s_max)
       progress.report(f"rollout turn {turn + 1}/{s.max_turns + 1}: decode {len(live)} rows")
-      self._program(work, "decode", b if rows is None else len(rows), span)
-      out = sampler_lib.decode(
-          self.graphdef, params, cache, logits, sub, self._rows(active), budget,
-          max_new_tokens=s.max_new_tokens, stop_sequences=self.stops,
-          temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, greedy=s.greedy,
-          rows=rows, row_ids=row_ids, span=span)
-      cache, logits = out.cache, out.next_logits
-      gen_tokens, gen_lens = self._local(out.tokens), self._local(out.lengths)
+      cache, logits, gen = self._decode_turn(params, cache, logits, sub, active, pos, row_ids,
+                                             turn, work)
       work["time/decode_s"] += time.perf_counter() - t0
-      steps = int(gen_lens.max(initial=0))
-      work[f"rollout/decode_steps/turn={turn}"] = float(steps)
-      work["rollout/token_rows"] += steps * (b if rows is None else self._local_count(rows))
-      work["rollout/real_tokens"] += float(gen_lens.sum())
-      work["rollout/trajectory_tokens"] += float(gen_lens.sum())
-      pos += gen_lens
       outcome = turns.dispatch_turn(
-          [records[i] for i in live], [gen_tokens[i, :gen_lens[i]] for i in live],
+          [records[i] for i in live], [gen[i] for i in live],
           tokenizer=self.tok, retriever=self.retriever, settings=s,
           invalid_ids=self.invalid_ids)
       work["time/search_s"] += outcome.search_s
@@ -150,6 +135,53 @@ class HostLoopEngine:
     return batch, metrics
 
   # ---- what is computed ------------------------------------------------------------------
+
+  def _decode_turn(self, params, cache, logits, key, active, pos, row_ids, turn, work):
+    """Decodes one turn of the ``active`` rows; returns (cache, logits, per-row token lists).
+
+    In chunks of ``rollout.decode_chunk`` steps (0: the whole turn in one call): after each
+    chunk the rows whose turn ended (a stop sequence, the budget, a full cache) leave the batch
+    (with ``compact_rows``), so a row that answered in 10 tokens does not run the turn's other
+    38 steps. The stop check's window and the per-row key streams continue across chunks, so
+    the tokens are those of one whole-turn call. ``pos`` is advanced in place."""
+    s, b = self.s, len(active)
+    s_max = s.seq_len + 1
+    n_max = s.max_new_tokens
+    chunk = s.decode_chunk if (s.decode_chunk and s.compact_rows) else n_max
+    going = active.copy()
+    left = np.where(active, n_max, 0).astype(np.int32)
+    gen: list[list[int]] = [[] for _ in range(b)]
+    window, step, steps = None, 0, 0
+    while True:
+      n = min(chunk, n_max - step)
+      live = np.flatnonzero(going)
+      rows = self._compact(live) if s.compact_rows else None
+      span = self._span(int(pos[live].max(initial=0)) + n, s_max)
+      self._program(work, "decode", b if rows is None else len(rows), n, span)
+      out = sampler_lib.decode(
+          self.graphdef, params, cache, logits, key, self._rows(going), self._rows(left),
+          max_new_tokens=n, stop_sequences=self.stops, temperature=s.temperature,
+          top_p=s.top_p, top_k=s.top_k, greedy=s.greedy, rows=rows, row_ids=row_ids,
+          span=span, window=window, step0=step)
+      cache, logits, window = out.cache, out.next_logits, out.window
+      toks, lens = self._local(out.tokens), self._local(out.lengths)
+      stopped = self._local(out.stopped)
+      for i in live:
+        gen[i] += toks[i, :lens[i]].tolist()
+      took = int(turns.agree_max(int(lens.max(initial=0))))
+      steps += took
+      work["rollout/token_rows"] += took * (b if rows is None else self._local_count(rows))
+      work["rollout/real_tokens"] += float(lens.sum())
+      work["rollout/trajectory_tokens"] += float(lens.sum())
+      pos += lens
+      left -= lens.astype(np.int32)
+      going &= ~stopped.astype(bool) & (left > 0) & (pos < s_max)
+      step += n
+      if step >= n_max or not turns.any_process(going.any()):
+        break
+    work[f"rollout/decode_steps/turn={turn}"] = float(steps)
+    return cache, logits, gen
+
 
   def _prefill(self, params, cache, logits, prompts, pos, work):
     """Writes every row's prompt into the cache; returns (logits f32[B, V], cache).

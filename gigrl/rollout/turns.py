@@ -37,6 +37,7 @@ class RolloutSettings:
   compact_rows: bool = True
   slot_bucket: int = 128
   width_bucket: int = 32
+  decode_chunk: int = 16
 
   @property
   def obs_width(self) -> int:
@@ -52,7 +53,8 @@ class RolloutSettings:
   def all_off(self) -> "RolloutSettings":
     """These settings with every saving off: today's full-width, full-batch computation."""
     return dataclasses.replace(self, prefill_once_per_group=False, shared_prefix=False,
-                               compact_rows=False, slot_bucket=0, width_bucket=0)
+                               compact_rows=False, slot_bucket=0, width_bucket=0,
+                               decode_chunk=0)
 
   @property
   def seq_len(self) -> int:
@@ -73,7 +75,8 @@ def settings_from_config(cfg_rollout: Any, topk_docs: int) -> RolloutSettings:
       shared_prefix=bool(cfg_rollout.get("shared_prefix", True)),
       compact_rows=bool(cfg_rollout.get("compact_rows", True)),
       slot_bucket=int(cfg_rollout.get("slot_bucket", 128)),
-      width_bucket=int(cfg_rollout.get("width_bucket", 32)))
+      width_bucket=int(cfg_rollout.get("width_bucket", 32)),
+      decode_chunk=int(cfg_rollout.get("decode_chunk", 16)))
 
 
 # Left and right contexts in which a stop tag is encoded: a byte-level BPE (Qwen2, Llama 3)
