@@ -194,7 +194,7 @@ def eval_run(init_from: str, overrides: list[str], n: int, out: str) -> dict:
              + proc.stderr[-2000:])
   with open(os.path.join(out, "results.json")) as f:
     res = json.load(f)
-  return {**res["results"]["run"], "wall_s": time.perf_counter() - t0}
+  return {**res["datasets"]["run"], "wall_s": time.perf_counter() - t0}
 
 
 def savings(a) -> None:
@@ -210,19 +210,36 @@ def savings(a) -> None:
             if jax.devices()[0].platform == "cpu" else jax.devices()[0].device_kind)
   print(f"machine: {device}; measured f32 GEMM peak {peak / 1e9:.1f} GFLOP/s; N = {n / 1e6:.1f}M")
   extra = [f"--config.{kv}" for kv in a.set]
-  runs = {}
+  # Each finished phase is kept in <out>.partial.json: a rerun of the same command skips it.
+  partial = (a.out or "smollm2_steps_savings.json") + ".partial.json"
+  runs = {"off": {}, "on": {}}
+  if os.path.exists(partial):
+    with open(partial) as f:
+      runs = json.load(f)
+    print(f"resuming from {partial}: {[(m, sorted(r)) for m, r in runs.items()]}")
+
+  def keep():
+    with open(partial, "w") as f:
+      json.dump(runs, f, indent=1)
+
   with tempfile.TemporaryDirectory() as tmp:
     for mode, over in (("off", list(OFF)), ("on", [])):
+      if "step_s" in runs[mode]:
+        continue
       rows, wall, rss = train_run(os.path.join(tmp, f"rl_{mode}"), [
           f"--config.train.init_from={a.init_from}", f"--config.train.num_steps={a.rl_steps}",
           "--config.train.eval_questions=0", "--config.checkpoint.every_steps=1000",
           *[f"--config.{kv}" for kv in over], *extra])
       runs[mode] = {**phase_stats(rows, "rl", n, peak), "peak_rss_gib": rss, "wall_s": wall}
       print(f"RL, savings {mode}: {json.dumps(runs[mode])}", flush=True)
+      keep()
     for mode, over in (("off", list(OFF)), ("on", [])):
+      if "eval" in runs[mode]:
+        continue
       ev = eval_run(a.init_from, over + list(a.set), a.eval_questions,
                     os.path.join(tmp, f"eval_{mode}"))
       runs[mode]["eval"] = ev
+      keep()
       print(f"eval, savings {mode}: EM {ev['eval/em']:.3f}, {ev['eval/time_s']:.0f} s", flush=True)
   floor_per_token = train_gemm_seconds(cfg, FLOOR_ROWS, repeats=2)[0] / FLOOR_ROWS
   off, on = runs["off"], runs["on"]

@@ -110,9 +110,6 @@ class GrpoTest(parameterized.TestCase):
                                      rtol=1e-5, atol=1e-6)
 
 
-if __name__ == "__main__":
-  absltest.main()
-
 
 def numpy_cross_step_grpo(rewards, valid, num_steps, eps=1e-6, norm=True):
   """verl-agent GRPO with compute_mean_std_cross_steps=True, on flat step rows.
@@ -164,3 +161,7 @@ class CrossStepGrpoTest(parameterized.TestCase):
     cfg.grpo.episode_stats = "per_traj"
     per_traj, _, _ = advantages.make_advantage_fn(cfg)(inputs, advantages.init_state(cfg))
     assert not np.allclose(np.asarray(per_traj), want, atol=1e-3)
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -131,9 +131,6 @@ class HadwTest(parameterized.TestCase):
                        np.ones((1, 2), bool), np.zeros((1, 2)))
 
 
-if __name__ == "__main__":
-  absltest.main()
-
 
 class BatchAccuracyOverAllGroupsTest(parameterized.TestCase):
   """Eq. 7: y_t is the mean over every rolled-out response, not only the trained groups."""
@@ -186,3 +183,7 @@ def test_advantage_inputs_carry_every_rolled_out_group_for_y_t():
   np.testing.assert_array_equal(x.rewards, [[1, 1]])
   np.testing.assert_array_equal(x.batch_rewards[:3], rewards)
   np.testing.assert_array_equal(x.batch_valid.sum(-1), [2, 2, 2, 0])   # padded to k·P = 4
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -109,9 +109,6 @@ class StratifiedTest(parameterized.TestCase):
                                 singleton_stratum="bad")
 
 
-if __name__ == "__main__":
-  absltest.main()
-
 
 def test_stratum_key_counts_a_final_turn_search_only_when_asked():
   """Search-R1 counts a <search> in the last turn (no observation follows) as a search."""
@@ -137,3 +134,7 @@ def test_stratum_key_counts_a_final_turn_search_only_when_asked():
   np.testing.assert_array_equal(adv_inputs.stratum_keys(batch, idx, max_turns), [[1, 1], [1, 0]])
   np.testing.assert_array_equal(
       adv_inputs.stratum_keys(batch, idx, max_turns, count_final_search=True), [[2, 1], [1, 0]])
+
+
+if __name__ == "__main__":
+  absltest.main()
