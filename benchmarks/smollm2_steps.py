@@ -247,6 +247,7 @@ def savings(a) -> None:
   floors = {"rollout_s": fwd * on.get("rollout/trajectory_tokens", 0.0),
             "update_s": floor_per_token * on["train_tokens_per_step"]}
   floors["step_s"] = floors["rollout_s"] + floors["update_s"]
+  floors["eval300_s"] = fwd * on["eval"].get("eval/rollout/trajectory_tokens", 0.0)
   table = {}
   for k in ("rollout_s", "update_s", "step_s"):
     table[k] = {"off": off[k], "on": on[k], "ratio": on[k] / off[k]}

@@ -304,9 +304,11 @@ def test_greedy_equals_host_loop_bpe(bpe, questions, bpe_reference, n_dev, bound
                                    mesh=_mesh(n_dev), boundary=boundary)
   batch, _ = engine.run(state, questions, jax.random.key(0))
   assert_same_batch(batch, ref)
-  # The reference searches (else the query check below would be vacuous).
-  assert ref.search_calls.sum() >= 1 and ref_retriever.calls
-  assert sorted(sum(retriever.calls, [])) == sorted(sum(ref_retriever.calls, []))
+  # The chatty random model never completes the multi-token <search> tag of this BPE (probed:
+  # search_bias 2 to 6, no search), so the retriever sees no query from either engine; the
+  # queries of multi-token tags are checked with a scripted policy instead
+  # (test_scripted_multi_token_stops_bpe, _check_scripted).
+  assert retriever.calls == ref_retriever.calls == []
 
 
 def test_retriever_error_is_raised_not_hung(scripted):
