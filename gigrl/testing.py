@@ -324,3 +324,20 @@ def cache_compiles_on_every_process() -> bool:
 
   compiler._cache_write = write  # pylint: disable=protected-access
   return True
+
+
+def tiny_policy(seed: int = 0):
+  """A 1-layer ``tiny`` policy (vocab 64) on a one-device ``fsdp`` mesh, as the trainer builds
+  it (:class:`gigrl.training.build.Policy`): for update tests on the real PPO step."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  from gigrl.models import sharding as shd
+  from gigrl.training import build
+  # pylint: enable=import-outside-toplevel
+  model_cfg = PRESETS["tiny"].replace(vocab_size=64, num_layers=1)
+  mesh = shd.make_mesh({"data": 1, "fsdp": 1, "tp": 1}, devices=jax.devices()[:1])
+  graphdef, params = nnx.split(Transformer(model_cfg, rngs=nnx.Rngs(seed)))
+  param_sh = shd.param_shardings(params, mesh, "fsdp")
+  params = shd.shard_state(params, mesh, "fsdp")
+  return build.Policy(model_cfg=model_cfg, graphdef=graphdef, mesh=mesh, params=params,
+                      param_sh=param_sh, train_preset="fsdp", rollout_preset="fsdp")

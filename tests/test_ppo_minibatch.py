@@ -5,14 +5,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from gigrl import testing
 from gigrl.training import build
 from gigrl import config as config_lib
 from gigrl.update import loss as loss_lib
 from gigrl.update import step as update_lib
 from gigrl.config_utils import ConfigError
-from gigrl.models import config as mcfg
-from gigrl.models import sharding as shd
-from gigrl.models import transformer as tfm
 
 B, S = 8, 16
 
@@ -31,14 +29,7 @@ def _cfg(**train):
   return cfg
 
 
-def _policy(seed=0):
-  model_cfg = mcfg.PRESETS["tiny"].replace(vocab_size=64, num_layers=1)
-  mesh = shd.make_mesh({"data": 1, "fsdp": 1, "tp": 1}, devices=jax.devices()[:1])
-  graphdef, params = nnx.split(tfm.Transformer(model_cfg, rngs=nnx.Rngs(seed)))
-  param_sh = shd.param_shardings(params, mesh, "fsdp")
-  params = shd.shard_state(params, mesh, "fsdp")
-  return build.Policy(model_cfg=model_cfg, graphdef=graphdef, mesh=mesh, params=params,
-                      param_sh=param_sh, train_preset="fsdp", rollout_preset="fsdp")
+_policy = testing.tiny_policy   # (seed) -> build.Policy
 
 
 def _batch():

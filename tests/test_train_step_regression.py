@@ -12,13 +12,10 @@ import os
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
+from gigrl import testing
 from gigrl.training import build
 from gigrl import config as config_lib
-from gigrl.models import config as mcfg
-from gigrl.models import sharding as shd
-from gigrl.models import transformer as tfm
 
 B, S = 4, 16
 
@@ -48,14 +45,7 @@ def _cfg():
   return cfg
 
 
-def _policy(seed):
-  model_cfg = mcfg.PRESETS["tiny"].replace(vocab_size=64, num_layers=1)
-  mesh = shd.make_mesh({"data": 1, "fsdp": 1, "tp": 1}, devices=jax.devices()[:1])
-  graphdef, params = nnx.split(tfm.Transformer(model_cfg, rngs=nnx.Rngs(seed)))
-  param_sh = shd.param_shardings(params, mesh, "fsdp")
-  params = shd.shard_state(params, mesh, "fsdp")
-  return build.Policy(model_cfg=model_cfg, graphdef=graphdef, mesh=mesh, params=params,
-                      param_sh=param_sh, train_preset="fsdp", rollout_preset="fsdp")
+_policy = testing.tiny_policy   # (seed) -> build.Policy
 
 
 def _batch():

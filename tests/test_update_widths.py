@@ -11,14 +11,11 @@ budget (max_turns + 1) × max_new_tokens, when they count).
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 from jax import monitoring
 
+from gigrl import testing
 from gigrl import config as config_lib
 from gigrl.config_utils import ConfigError
-from gigrl.models import config as mcfg
-from gigrl.models import sharding as shd
-from gigrl.models import transformer as tfm
 from gigrl.rollout import trajectory as traj_lib
 from gigrl.training import build
 from gigrl.update import batch as batch_lib
@@ -42,14 +39,7 @@ def _cfg(**train):
   return cfg
 
 
-def _policy(seed=0):
-  model_cfg = mcfg.PRESETS["tiny"].replace(vocab_size=64, num_layers=1)
-  mesh = shd.make_mesh({"data": 1, "fsdp": 1, "tp": 1}, devices=jax.devices()[:1])
-  graphdef, params = nnx.split(tfm.Transformer(model_cfg, rngs=nnx.Rngs(seed)))
-  param_sh = shd.param_shardings(params, mesh, "fsdp")
-  params = shd.shard_state(params, mesh, "fsdp")
-  return build.Policy(model_cfg=model_cfg, graphdef=graphdef, mesh=mesh, params=params,
-                      param_sh=param_sh, train_preset="fsdp", rollout_preset="fsdp")
+_policy = testing.tiny_policy   # (seed) -> build.Policy
 
 
 def _batch(gen=(5, 9, 14, 3, 60, 60, 21, 8), obs=10):
