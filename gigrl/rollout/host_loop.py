@@ -16,7 +16,7 @@ only those, and sends only their queries to its retriever.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -157,7 +157,7 @@ class HostLoopEngine:
       live = np.flatnonzero(going)
       rows = self._compact(live) if s.compact_rows else None
       span = self._span(int(pos[live].max(initial=0)) + n, s_max)
-      self._program(work, "decode", b if rows is None else len(rows), n, span)
+      self._program("decode", b if rows is None else len(rows), n, span)
       out = sampler_lib.decode(
           self.graphdef, params, cache, logits, key, self._rows(going), self._rows(left),
           max_new_tokens=n, stop_sequences=self.stops, temperature=s.temperature,
@@ -248,13 +248,13 @@ class HostLoopEngine:
       toks, lens = turns.pad_rows(rows_tokens, n, width, self.tok.pad_id)
       work["rollout/token_rows"] += float(n * width)
       work["rollout/real_tokens"] += float(lens.sum())
-      self._program(work, "extend", len(idx), width, span)
+      self._program("extend", len(idx), width, span)
       return sampler_lib.extend_last(self.graphdef, params, cache, self._rows(toks),
                                      self._rows(lens), logits, idx, span=span)
     toks, lens = turns.pad_rows(rows_tokens, b, width, self.tok.pad_id)
     work["rollout/token_rows"] += float(b * width)
     work["rollout/real_tokens"] += float(lens.sum())
-    self._program(work, "extend", None, width, span)
+    self._program("extend", None, width, span)
     return sampler_lib.extend_last(self.graphdef, params, cache, self._rows(toks),
                                    self._rows(lens), logits, span=span)
 
@@ -265,13 +265,12 @@ class HostLoopEngine:
     if n == 0:
       return cache, logits
     n = self._row_bucket(n)
-    self._program(work, "copy_rows", n)
+    self._program("copy_rows", n)
     return sampler_lib.copy_rows(cache, logits, self._global_index(src, n, fill=0),
                                  self._global_index(dst, n))
 
-  def _program(self, work, *shape) -> None:
+  def _program(self, *shape) -> None:
     """Records a call's static shape in ``self.programs`` (one compiled program each)."""
-    del work
     self.programs.add(shape)
 
   def _compact(self, local: np.ndarray) -> np.ndarray:
@@ -349,7 +348,8 @@ def _common_prefix(rows: Sequence[Sequence[int]]) -> int:
   return n
 
 
-def padding_frac(m: dict[str, float]) -> float:
-  """1 - real tokens / token rows computed (``rollout/padding_frac``)."""
+def padding_frac(m: Mapping[str, float]) -> float:
+  """1 - real tokens / token rows computed (``rollout/padding_frac``) of engine metrics ``m``
+  (``rollout/real_tokens``, ``rollout/token_rows``, counts); 0.0 when nothing was computed."""
   rows = m.get("rollout/token_rows", 0.0)
   return 1.0 - m.get("rollout/real_tokens", 0.0) / rows if rows else 0.0

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from gigrl import distributed
+from gigrl.rollout import host_loop
 
 
 class ProcessShare:
@@ -55,9 +56,7 @@ class ProcessShare:
     out = distributed.reduce_metrics(
         metrics, maximum=[k for k in metrics if k.startswith(("time/", "rollout/decode_steps"))])
     if "rollout/padding_frac" in out:       # a ratio: recomputed from the summed counts
-      rows = out.get("rollout/token_rows", 0.0)
-      out["rollout/padding_frac"] = (1.0 - out.get("rollout/real_tokens", 0.0) / rows
-                                     if rows else 0.0)
+      out["rollout/padding_frac"] = host_loop.padding_frac(out)
     return out
 
   def run(self, params, questions, key):

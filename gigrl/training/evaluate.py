@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from gigrl import progress
 from gigrl.data.qa import normalize_answer
+from gigrl.rollout import host_loop
 from gigrl.rollout import reward as reward_lib
 
 
@@ -199,8 +200,7 @@ def work_metrics(total: Mapping[str, float], prefix: str = "eval") -> dict[str, 
   (1 - real tokens / token rows computed); empty for an engine that reports none."""
   out = {f"{prefix}/{k}": v for k, v in total.items()}
   if total.get("rollout/token_rows"):
-    out[f"{prefix}/rollout/padding_frac"] = (1.0 - total.get("rollout/real_tokens", 0.0)
-                                            / total["rollout/token_rows"])
+    out[f"{prefix}/rollout/padding_frac"] = host_loop.padding_frac(total)
   return out
 
 
