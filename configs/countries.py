@@ -10,7 +10,12 @@ docs/results/countries_tiny/NOTES.md); ``smollm2-135m``: SmolLM2-135M-Instruct f
 300 2-hop ones (about 10% of the demonstrations), then GRPO with query recycling on 1- and 2-hop
 training questions; held-out EM by hop on 300 held-out questions (128 of them 2-hop);
 ``smollm2-135m-short``: the same with fewer RL steps and evaluation questions, the README's
-main job (under 30 minutes on 2 CPU cores). Results: docs/results/countries_smollm2/.
+main job (under 30 minutes on 2 CPU cores); ``smollm2-135m-study``: the same recipe on the
+validation protocol of the estimator study (docs/results/countries_smollm2_estimators/): trains
+on ``questions_trainval.jsonl`` (validation countries removed) and evaluates all 214 validation
+questions every 5 RL steps; the 469 test questions are never seen by the run (``gigrl-eval
+--datasets test=.../questions_test.jsonl`` at the start and the end only).
+Results: docs/results/countries_smollm2/.
 """
 import os
 
@@ -19,7 +24,7 @@ from gigrl.data import countries
 from gigrl.models import fetch
 
 
-PRESETS = ("", "smollm2-135m", "smollm2-135m-short")
+PRESETS = ("", "smollm2-135m", "smollm2-135m-short", "smollm2-135m-study")
 
 
 def get_config(arg: str | None = None):
@@ -61,7 +66,21 @@ def get_config(arg: str | None = None):
   cfg.checkpoint.keep = 2
   if arg.startswith("smollm2-135m"):
     _smollm2(cfg, short=arg.endswith("-short"))
+  if arg.endswith("-study"):
+    _study(cfg, root)
   return cfg
+
+
+def _study(cfg, root: str):
+  """The estimator study's protocol: train and validation questions only (the test questions
+  are in another file), every choice made on validation."""
+  path = os.path.join(root, countries.TRAINVAL_FILE)
+  cfg.data.questions_file = path
+  # 1-hop training questions first, then the first 300 2-hop ones, as the recipe.
+  cfg.train.sft_questions = countries.count_train_questions(hops=1, path=path) + 300
+  cfg.train.num_steps = 20
+  cfg.train.eval_every = 5               # the validation curve: steps 0, 5, 10, 15, 20
+  cfg.train.eval_questions = 1000        # all 214 validation questions (132 1-hop, 82 2-hop)
 
 
 def _smollm2(cfg, short: bool):

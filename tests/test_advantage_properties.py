@@ -126,9 +126,11 @@ class EstimatorPropertyTest(parameterized.TestCase):
     np.testing.assert_array_equal(base[~(v[..., None] & step_v)], 0.0)
 
 
-COMBOS = list(itertools.product(adv_api.compose.OUTCOMES,
-                                adv_api.compose.STEPS,
-                                adv_api.compose.REWEIGHTS))
+# The RFT control takes no step term and no reweighting (validate refuses them).
+COMBOS = [c for c in itertools.product(adv_api.compose.OUTCOMES,
+                                       adv_api.compose.STEPS,
+                                       adv_api.compose.REWEIGHTS)
+          if c[0] != "rft" or c[1:] == ("none", "none")]
 
 
 def make_inputs(seed, p=P, g=G, t=T):
@@ -190,12 +192,47 @@ class CompositionTest(parameterized.TestCase):
                                    atol=1e-6, err_msg=k)
       jax.tree.map(np.testing.assert_allclose, new_state, padded_state)
       state = new_state
-    want = {"adv/mean", "adv/std", "zero_variance_frac"}
-    if outcome == "stratified":
-      want |= {"strat/cross_stratum_bias", "strat/var_reduction"}
+    # the stratification's diagnostics are logged whatever the estimator
+    want = {"adv/mean", "adv/std", "zero_variance_frac",
+            "strat/cross_stratum_bias", "strat/var_reduction"}
     if reweight == "hadw":
-      want |= {"hadw/anchor"}
+      want |= {"hadw/anchor", "hadw/phi_hard", "hadw/phi_easy"}
     self.assertContainsSubset(want, metrics)
+
+  def test_rft_is_the_raw_reward_on_valid_steps(self):
+    x = make_inputs(5)
+    cfg = config("rft", "none", "none")
+    adv, _, _ = adv_api.compute_advantages(cfg, x, adv_api.init_state(cfg))
+    row_valid = x.valid[..., None] & x.step_valid
+    want = np.where(row_valid, np.asarray(x.rewards)[..., None], 0.0)
+    np.testing.assert_allclose(adv, want)
+
+  @parameterized.parameters(("gigpo", "none"), ("none", "hadw"))
+  def test_rft_refuses_a_step_term_or_reweighting(self, step, reweight):
+    cfg = adv_api.default_config()
+    cfg.outcome, cfg.step, cfg.reweight = "rft", step, reweight
+    field = "step" if step != "none" else "reweight"
+    with self.assertRaisesRegex(Exception, f"advantage.{field}"):
+      adv_api.AdvantageConfig.from_config(cfg)
+
+  def test_hadw_weights_split_by_group_accuracy(self):
+    x = make_inputs(6)
+    cfg = config("grpo", "none", "hadw", variant="trl")
+    state = adv_api.init_state(cfg)
+    _, state, _ = adv_api.compute_advantages(cfg, x, state)
+    _, _, m = adv_api.compute_advantages(cfg, x, state)
+    # the two halves partition the valid steps by their group's accuracy, so
+    # phi_mean is their step-count-weighted average
+    valid = np.asarray(x.valid)
+    acc = np.where(valid, x.rewards, 0).sum(-1) / np.maximum(valid.sum(-1), 1)
+    row_valid = valid[..., None] & np.asarray(x.step_valid)
+    n_hard = (row_valid & (acc < 0.5)[:, None, None]).sum()
+    n_easy = row_valid.sum() - n_hard
+    self.assertGreater(n_hard, 0)
+    self.assertGreater(n_easy, 0)
+    np.testing.assert_allclose(
+        (n_hard * m["hadw/phi_hard"] + n_easy * m["hadw/phi_easy"]) / (n_hard + n_easy),
+        m["hadw/phi_mean"], rtol=1e-5)
 
   def test_outcome_only_is_broadcast(self):
     x = make_inputs(3)

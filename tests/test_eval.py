@@ -197,6 +197,15 @@ def test_eval_every_lines_and_exact_resume(tmp_path):
   assert ev["eval/em"] == rows[-1]["eval/em"] and ev["step"] == 5
   assert (workdir / "samples" / "eval_samples.txt").read_text() == (
       workdir / "samples" / "eval_000005.txt").read_text()
+  # every evaluation's per-question rows, whose EM averages to the line's
+  for r in rows:
+    if r["phase"] == "eval":
+      out = workdir / "eval_outputs" / f"step_{r['step']:06d}.jsonl"
+      qrows = [json.loads(line) for line in open(out)]
+      assert len(qrows) == 4 and all(q["id"] and "prediction" in q and "retrieved" in q
+                                     and len(q["retrieved"]) == len(q["queries"])
+                                     for q in qrows)
+      assert sum(q["em"] for q in qrows) / 4 == pytest.approx(r["eval/em"])
   # a run resumed at its last step (killed after the final checkpoint, before eval.json): the
   # final evaluation reuses step 5's periodic eval line instead of rolling out again
   os.remove(workdir / "eval.json")
@@ -222,7 +231,9 @@ def test_eval_every_lines_and_exact_resume(tmp_path):
                   and not k.startswith("eval/rollout/")}
   table = open(out / "results.md").read()
   assert "| run | 4 |" in table and "| bamboogle | 4 |" in table and "average" in table
-  assert len(open(out / "samples_bamboogle.jsonl").readlines()) == 4
+  qrows = [json.loads(line) for line in open(out / "samples_bamboogle.jsonl")]
+  assert len(qrows) == 4 and all(q["id"] and len(q["retrieved"][0]) == len(q["queries"][0])
+                                 for q in qrows)
 
 
 # ------------------------------------------------------------------ gigrl-eval: bad input

@@ -2,7 +2,12 @@
 
 ``A = (A_outcome + ω · A_step) × Φ`` on the padded ``[P, G, T]`` layout:
 
-* ``outcome``: ``grpo`` / ``drgrpo`` (verl, §2.1) or ``stratified`` (§4).
+* ``outcome``: ``grpo`` / ``drgrpo`` (verl, §2.1) or ``stratified`` (§4); or
+  ``rft``, the rejection-sampling fine-tuning control (not an estimator of the
+  spec): ``A = r``, the raw outcome reward (EM: 1 on correct trajectories, 0
+  elsewhere), so the on-policy loss is SFT on the policy's own correct
+  rollouts (RFT, Yuan et al. 2023, "Scaling Relationship on Learning
+  Mathematical Reasoning with LLMs"; online as RAFT, Dong et al. 2023).
   Without a step estimator the per-trajectory advantage is broadcast over the
   trajectory's valid steps.
 * ``step = gigpo`` (§3): adds ``ω · A_S`` over anchor-state groups. With
@@ -40,7 +45,7 @@ from gigrl.advantages import grpo as grpo_lib
 from gigrl.advantages import hadw as hadw_lib
 from gigrl.advantages import stratified as strat_lib
 
-OUTCOMES = ("grpo", "drgrpo", "stratified")
+OUTCOMES = ("grpo", "drgrpo", "stratified", "rft")
 STEPS = ("none", "gigpo")
 REWEIGHTS = ("none", "hadw")
 GROUPINGS = ("exact", "similarity")
@@ -152,6 +157,13 @@ def validate(cfg: Any) -> None:
   if config_utils.get_field(root, "advantage.hadw.lambda_scale") is not None:
     rng("hadw.lambda_scale", 0.0, lo_open=True)
   rng("hadw.window", 1, integer=True)
+  if config_utils.get_field(root, "advantage.outcome") == "rft":
+    for field, off in (("step", "none"), ("reweight", "none")):
+      if config_utils.get_field(root, "advantage." + field) != off:
+        raise config_utils.ConfigError(
+            "advantage." + field, config_utils.get_field(root, "advantage." + field),
+            f"'{off}' with advantage.outcome='rft' (the RFT control has no baseline, step "
+            "term or reweighting)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +237,12 @@ def _outcome(c: AdvantageConfig, x: AdvantageInputs, row_valid: jax.Array
              ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Outcome (+ step) advantage f32[P, G, T] before reweighting."""
   metrics = {}
+  # Stratified GRPO's cross-stratum term (Prop. 1) and variance reduction (Thm. 1) on every
+  # batch, whatever the estimator: how much stratifying would change these rollouts.
+  diag = strat_lib.stratum_diagnostics(x.rewards, x.valid, x.strata)
+  metrics.update({f"strat/{k}": v for k, v in diag.items()})
+  if c.outcome == "rft":
+    return jnp.where(row_valid, x.rewards[:, :, None], 0.0), metrics
   norm = c.outcome != "drgrpo"
   gig = None
   if c.step == "gigpo":
@@ -244,8 +262,6 @@ def _outcome(c: AdvantageConfig, x: AdvantageInputs, row_valid: jax.Array
         eps=c.stratified_eps, ddof=c.stratified_ddof,
         singleton_stratum=c.stratified_singleton_stratum,
         singleton_group=c.stratified_singleton_group)
-    diag = strat_lib.stratum_diagnostics(x.rewards, x.valid, x.strata)
-    metrics.update({f"strat/{k}": v for k, v in diag.items()})
     adv = jnp.where(row_valid, a[:, :, None], 0.0)
     if gig is not None:
       adv = adv + c.gigpo_omega * gig[2]
@@ -286,9 +302,11 @@ def compute_advantages(cfg: Any, inputs: AdvantageInputs,
     (advantages f32[P, G, T] (0 on padded rollouts and steps), new_state,
     metrics: dict of f32[] with ``adv/mean``, ``adv/std`` (over valid steps),
     ``zero_variance_frac`` (valid groups whose rewards are all equal),
-    ``strat/cross_stratum_bias`` and ``strat/var_reduction`` when stratified,
+    ``strat/cross_stratum_bias`` and ``strat/var_reduction`` (every
+    estimator: the stratification's diagnostics on these rollouts),
     ``hadw/anchor`` (+ ``hadw/batch_mean``, ``hadw/eta_t``,
-    ``hadw/phi_mean``) when HA-DW is on).
+    ``hadw/phi_mean``, ``hadw/phi_hard`` and ``hadw/phi_easy``: Φ's mean over
+    groups with accuracy below 0.5 and the rest) when HA-DW is on).
 
   Raises:
     gigrl.config_utils.ConfigError: invalid ConfigDict.
@@ -309,6 +327,12 @@ def compute_advantages(cfg: Any, inputs: AdvantageInputs,
     new_state = AdvantageState(hstate)
     metrics.update({f"hadw/{k}": v for k, v in hm.items()})
     metrics["hadw/phi_mean"] = _masked_mean(phi, row_valid)
+    # the weights against difficulty: groups the policy solves less than half the time
+    # (hard) against the rest (easy), by their own accuracy
+    acc = jnp.where(x.valid, x.rewards, 0.0).sum(-1) / jnp.maximum(x.valid.sum(-1), 1)
+    hard = row_valid & (acc < 0.5)[:, None, None]
+    metrics["hadw/phi_hard"] = _masked_mean(phi, hard)
+    metrics["hadw/phi_easy"] = _masked_mean(phi, row_valid & ~hard)
   mean = _masked_mean(adv, row_valid)
   metrics["adv/mean"] = mean
   metrics["adv/std"] = jnp.sqrt(_masked_mean((adv - mean) ** 2, row_valid))

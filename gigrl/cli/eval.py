@@ -71,8 +71,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p.add_argument("--data_dir", default="", help="folder of the FlashRAG/Search-R1 files")
   p.add_argument("--split", default="", help="FlashRAG split file to prefer (test, dev, ...)")
   p.add_argument("--max_questions", type=int, default=0, help="per dataset (0 = all)")
-  p.add_argument("--retriever", choices=("bm25", "http"), default=None,
-                 help="default: the run's search.backend")
+  p.add_argument("--retriever", choices=("bm25", "http", "none"), default=None,
+                 help="default: the run's search.backend; 'none': closed book (every search "
+                 "returns no passage)")
   p.add_argument("--retrieval_url", default=None, help="Search-R1 /retrieve endpoint (http)")
   p.add_argument("--corpus", default=None, help="'bundled' or a corpus jsonl (bm25)")
   p.add_argument("--topk", type=int, default=None, help="passages per search (default: run's)")
@@ -231,7 +232,7 @@ def _evaluate_all(args, ks, samples) -> int:
   for es in sets:
     if es.name == RUN_SET:
       _fill_run_set(es, cfg, args)
-  retriever = search_lib.make_retriever(cfg.search)
+  retriever = evaluate_lib.RetrievalLog(search_lib.make_retriever(cfg.search))
   engine = build.build_engine(cfg, policy, run.tokenizer, retriever,
                               greedy=args.mode == "greedy")
   rollout_params = policy.rollout_params(run.params)
@@ -243,7 +244,7 @@ def _evaluate_all(args, ks, samples) -> int:
     m, rows = evaluate_lib.evaluate_set(
         engine, rollout_params, es.questions, samples=samples, ks=ks, seed=args.seed,
         batch_size=args.batch_size, rows_multiple=build.batch_axis_size(policy.mesh),
-        hops=evaluate_lib.question_hops(es.hops_files), name=es.name)
+        hops=evaluate_lib.question_hops(es.hops_files), name=es.name, retrieval_log=retriever)
     results[es.name] = m
     report[es.name] = {"origin": es.origin, **m}
     with open(os.path.join(out_dir, f"samples_{es.name}.jsonl"), "w", encoding="utf-8") as f:

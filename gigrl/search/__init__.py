@@ -11,13 +11,13 @@
 ``BM25Retriever`` is imported lazily (``bm25s`` takes ~1 s to import), and the
 server module is not imported here (``gigrl.cli.serve_retriever`` imports it).
 """
-from gigrl.search.base import Passage, Retriever, SearchError
+from gigrl.search.base import NullRetriever, Passage, Retriever, SearchError
 from gigrl.search.config import default_config, make_retriever, validate
 from gigrl.search.http_client import HttpRetriever
 from gigrl.search.resilient import ResilientRetriever, TooManySearchFailures
 
-__all__ = ["Passage", "Retriever", "SearchError", "BM25Retriever", "HttpRetriever",
-           "ResilientRetriever", "TooManySearchFailures", "default_config", "validate",
+__all__ = ["NullRetriever", "Passage", "Retriever", "SearchError", "BM25Retriever",
+           "HttpRetriever", "ResilientRetriever", "TooManySearchFailures", "default_config", "validate",
            "make_retriever"]
 
 

@@ -67,6 +67,17 @@ class BaseRetriever:
     return {}
 
 
+class NullRetriever(BaseRetriever):
+  """Closed book: every query returns no passage (``search.backend='none'``), so the policy
+  sees an empty ``<information></information>`` block and answers from its own weights. The
+  closed-book baseline of a search agent is the same policy with this retriever."""
+
+  def search(self, queries: list[str], topk: int) -> list[list[Passage]]:
+    """``[[] for each query]``."""
+    del topk
+    return [[] for _ in queries]
+
+
 class SearchError(RuntimeError):
   """A search request failed.
 

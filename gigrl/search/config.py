@@ -7,7 +7,7 @@ from typing import Any
 import ml_collections
 
 from gigrl.config_utils import ConfigError, check_choice, check_file, check_range, get_field
-from gigrl.search.base import Retriever
+from gigrl.search.base import NullRetriever, Retriever
 from gigrl.search.http_client import HttpRetriever
 from gigrl.search.resilient import ON_FAILURE, ResilientRetriever
 
@@ -16,14 +16,15 @@ _RESILIENT = {k: p.default for k, p in
               inspect.signature(ResilientRetriever.__init__).parameters.items()
               if k in ("max_retries", "backoff_s", "on_failure", "cache", "max_failure_frac")}
 
-BACKENDS = ("bm25", "http")
+BACKENDS = ("bm25", "http", "none")
 
 
 def default_config() -> ml_collections.ConfigDict:
   """Defaults of the ``search`` section.
 
   Fields:
-    backend: 'bm25' (in-process, over ``corpus``) or 'http' (Search-R1 server at ``url``).
+    backend: 'bm25' (in-process, over ``corpus``), 'http' (Search-R1 server at ``url``) or
+      'none' (closed book: every search returns no passage, :class:`NullRetriever`).
     url: Search-R1 ``/retrieve`` endpoint (backend 'http').
     topk: passages per query (Search-R1 uses 3).
     timeout_s: per-request socket timeout, seconds.
@@ -78,7 +79,7 @@ def validate(cfg_search: Any) -> None:
     _check_str(root, "search.url",
                isinstance(url, str) and url.startswith(("http://", "https://")),
                "a non-empty http:// or https:// URL when search.backend is 'http'")
-  elif get_field(root, "search.corpus") != "bundled":
+  elif backend == "bm25" and get_field(root, "search.corpus") != "bundled":
     check_file(root, "search.corpus", "'bundled' or a Search-R1 corpus jsonl")
   _check_str(root, "search.index_cache", True, "'auto', a directory, or '' (no cache)")
 
@@ -97,7 +98,7 @@ def make_retriever(cfg_search: Any, *, health_check: bool = True) -> ResilientRe
   Returns:
     A :class:`ResilientRetriever` around ``BM25Retriever`` (backend 'bm25'; builds the index,
     about 1.3 s for the bundled corpus, or loads it from ``search.index_cache``) or
-    ``HttpRetriever``.
+    ``HttpRetriever`` or ``NullRetriever`` (backend 'none').
   Raises:
     ConfigError: see :func:`validate`.
     gigrl.data.qa.DataError: a malformed corpus row, or a corpus without rows.
@@ -105,7 +106,9 @@ def make_retriever(cfg_search: Any, *, health_check: bool = True) -> ResilientRe
   """
   validate(cfg_search)
   inner: Retriever
-  if cfg_search.backend == "http":
+  if cfg_search.backend == "none":
+    inner = NullRetriever()
+  elif cfg_search.backend == "http":
     inner = HttpRetriever(cfg_search.url, timeout_s=float(cfg_search.timeout_s))
   else:
     from gigrl.search.bm25 import BM25Retriever  # pylint: disable=import-outside-toplevel

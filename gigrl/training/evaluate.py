@@ -36,6 +36,7 @@ from tqdm import tqdm
 from gigrl import progress
 from gigrl.data.qa import normalize_answer
 from gigrl.rollout import host_loop
+from gigrl.rollout.protocol import parse_action
 from gigrl.rollout import reward as reward_lib
 
 
@@ -52,6 +53,7 @@ class EvalResult:
     text: the generated turns (observations excluded), joined.
     f1: SQuAD token F1 of ``answer`` (best over ``golden_answers``; 0 without an answer).
     hops: the question's ``hops`` field (None when it has none).
+    turns: the generated turns, one string each.
   """
   question: str
   golden_answers: tuple[str, ...]
@@ -63,6 +65,7 @@ class EvalResult:
   text: str
   f1: float = 0.0
   hops: int | None = None
+  turns: tuple[str, ...] = ()
 
 
 def f1_score(prediction: str | None, golden_answers: Sequence[str]) -> float:
@@ -135,7 +138,8 @@ def score(questions: Sequence[Any], batch, hops: Mapping[str, int] | None = None
         answer=answer, em=float(reward_lib.exact_match(answer, q.golden_answers)),
         search_calls=int(batch.search_calls[i]),
         invalid_actions=int(np.sum(~np.asarray(batch.action_valid[i], bool))),
-        text="".join(turns), f1=f1_score(answer, q.golden_answers), hops=_hops(q, hops)))
+        text="".join(turns), f1=f1_score(answer, q.golden_answers), hops=_hops(q, hops),
+        turns=tuple(turns)))
   return out
 
 
@@ -282,10 +286,68 @@ def select(questions: Sequence[Any], n: int) -> list[Any]:
   return [questions[int(i)] for i in idx]
 
 
+class RetrievalLog:
+  """A retriever wrapper that remembers the passage ids each query returned, so that
+  per-question evaluation rows can name what was retrieved (BM25 and the Search-R1 server are
+  deterministic: a query always returns the same passages).
+
+  Wraps any :class:`gigrl.search.base.Retriever`; ``search`` passes through and records
+  ``{query: [passage id, ...]}``; ``new_step`` and ``metrics`` delegate.
+  """
+
+  def __init__(self, inner):
+    self.inner = inner
+    self.ids: dict[str, list[str]] = {}
+
+  def search(self, queries: list[str], topk: int):
+    results = self.inner.search(queries, topk)
+    for q, passages in zip(queries, results):
+      self.ids[q] = [p.id for p in passages]
+    return results
+
+  def new_step(self) -> None:
+    self.inner.new_step()
+
+  def metrics(self) -> dict[str, float]:
+    return self.inner.metrics()
+
+  def retrieved(self, turns: Sequence[str]) -> list[list[str]]:
+    """The passage ids of each executed search in ``turns`` (a row's generated turns): one
+    list per ``<search>`` action, in order (the final turn's search, never executed, is left
+    out; ``[]`` for a query this log never saw)."""
+    out = []
+    for turn in turns:
+      kind, query = parse_action(turn)
+      if kind == "search" and query in self.ids:
+        out.append(list(self.ids[query]))
+    return out
+
+
+def question_rows(questions: Sequence[Any], results: Sequence[EvalResult],
+                  retrieval_log: RetrievalLog | None = None) -> list[dict]:
+  """Per-question output rows of one greedy evaluation (what a paired comparison needs).
+
+  Returns:
+    One dict per question: ``id``, ``hops``, ``prediction`` (the ``<answer>`` text or None),
+    ``em``, ``f1``, ``searches`` (executed search calls), ``queries`` (each ``<search>``
+    query) and, with ``retrieval_log``, ``retrieved`` (the passage ids of each search).
+  """
+  rows = []
+  for q, r in zip(questions, results):
+    row = {"id": str(getattr(q, "id", "") or ""), "hops": r.hops, "prediction": r.answer,
+           "em": r.em, "f1": r.f1, "searches": r.search_calls,
+           "queries": [p for k, p in map(parse_action, r.turns) if k == "search"]}
+    if retrieval_log is not None:
+      row["retrieved"] = retrieval_log.retrieved(r.turns)
+    rows.append(row)
+  return rows
+
+
 def evaluate_set(engine, params, questions: Sequence[Any], *, samples: int = 1,
                  ks: Sequence[int] = (), seed: int = 0, batch_size: int = 64,
                  rows_multiple: int = 1, hops: Mapping[str, int] | None = None,
-                 name: str = "eval") -> tuple[dict[str, float], list[dict]]:
+                 name: str = "eval", retrieval_log: RetrievalLog | None = None
+                 ) -> tuple[dict[str, float], list[dict]]:
   """``samples`` rollouts per question, in batches of ``batch_size`` (the library call behind
   ``gigrl-eval``; a greedy engine with ``samples=1`` is the trainer's held-out EM).
 
@@ -299,11 +361,15 @@ def evaluate_set(engine, params, questions: Sequence[Any], *, samples: int = 1,
       shape for every batch so the engine compiles once.
     hops: question text -> hop count (:func:`question_hops`), for the ``hops=<k>`` subsets.
     name: the progress bar's label.
+    retrieval_log: the :class:`RetrievalLog` wrapping the engine's retriever, if any: each row
+      then names the passages each of its searches retrieved.
   Returns:
     (metrics, per-question rows): :func:`aggregate` over every rollout (``eval/em`` is
     pass@1), ``eval/n``, ``eval/samples``, ``eval/pass@<k>`` per k and ``eval/time_s``
-    (seconds); each row holds the question, its golden answers and per-sample answers, EM, F1
-    and search calls, its hops and the first sample's text.
+    (seconds); each row holds the question's ``id``, ``data_source``, text, golden answers
+    and hops, then per sample its ``answers`` (the prediction), ``em``, ``f1``,
+    ``search_calls``, ``queries`` and (with ``retrieval_log``) ``retrieved`` passage ids per
+    search, and the first sample's ``text``.
   """
   t0 = time.perf_counter()
   per_sample = []
@@ -318,8 +384,10 @@ def evaluate_set(engine, params, questions: Sequence[Any], *, samples: int = 1,
   def show(msg: str) -> None:     # the rollout's turns, between the bar's updates
     bar.set_postfix_str(f"{em}{msg}", refresh=True)
 
+  per_turns = []
   for s in range(samples):
-    results = []
+    results, turns = [], []
+    per_turns.append(turns)
     for b in range(0, len(qs), width):
       chunk = qs[b:b + width]
       padded = chunk + [chunk[-1]] * (width - len(chunk))  # one shape: no recompiles
@@ -328,6 +396,7 @@ def evaluate_set(engine, params, questions: Sequence[Any], *, samples: int = 1,
         batch, m = engine.run(params, [q.question for q in padded], key)
       add_work(work, m)
       results += score(chunk, batch, hops)
+      turns += [batch.generated_text[i] for i in range(len(chunk))]
       bar.update(len(chunk))
       em = f"em={np.mean([r.em for r in results]):.3f}, "
       bar.set_postfix_str(em.rstrip(", "))
@@ -341,12 +410,20 @@ def evaluate_set(engine, params, questions: Sequence[Any], *, samples: int = 1,
     m[f"eval/pass@{k}"] = float(np.mean([pass_at_k(samples, int(c), k) for c in correct]))
   m["eval/time_s"] = time.perf_counter() - t0
   m.update(work_metrics(work))
-  rows = [{"question": q.question, "golden_answers": list(q.golden_answers),
+  rows = []
+  for i, q in enumerate(qs):
+    row = {"id": str(getattr(q, "id", "") or ""), "data_source": per_sample[0][i].data_source,
+           "question": q.question, "golden_answers": list(q.golden_answers),
+           "hops": per_sample[0][i].hops,
            "answers": [rs[i].answer for rs in per_sample],
            "em": [rs[i].em for rs in per_sample], "f1": [rs[i].f1 for rs in per_sample],
            "search_calls": [rs[i].search_calls for rs in per_sample],
-           "hops": per_sample[0][i].hops, "text": per_sample[0][i].text}
-          for i, q in enumerate(qs)]
+           "queries": [[p for k, p in map(parse_action, ts[i]) if k == "search"]
+                       for ts in per_turns]}
+    if retrieval_log is not None:
+      row["retrieved"] = [retrieval_log.retrieved(ts[i]) for ts in per_turns]
+    row["text"] = per_sample[0][i].text
+    rows.append(row)
   return m, rows
 
 

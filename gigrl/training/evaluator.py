@@ -103,6 +103,7 @@ class Evaluator:
     # spread over the sorted eval split, so each data source and hops count keeps its share
     self.questions = evaluate_lib.select(eval_questions, cfg.train.eval_questions)
     self._engine = None
+    self._log_retrieval = None
     self._hops = None
     self._last = None
 
@@ -115,8 +116,9 @@ class Evaluator:
     if self._last is not None and self._last[0] == step:
       return self._last
     if self._engine is None:
+      self._log_retrieval = evaluate_lib.RetrievalLog(self.retriever)
       self._engine = hosts.ProcessShare(build.build_engine(
-          self.cfg, self.policy, self.tokenizer, self.retriever, greedy=True),
+          self.cfg, self.policy, self.tokenizer, self._log_retrieval, greedy=True),
           build.batch_axis_size(self.policy.mesh))
       d = self.cfg.data
       files = ([d.questions_file] if d.questions_file else
@@ -136,6 +138,10 @@ class Evaluator:
   def _samples(self, name: str, step: int, batch, qs, results) -> None:
     metrics_lib.write_samples(self.out, self.tokenizer, name, step, batch, qs,
                               [r.em for r in results], n=8, g=1)
+    # every question's outcome (evaluate.question_rows), for paired comparisons across runs
+    rows = evaluate_lib.question_rows(qs, results, self._log_retrieval)
+    self.out.write_text(f"eval_outputs/step_{step:06d}.jsonl",
+                        "".join(json.dumps(r) + "\n" for r in rows))
 
   def periodic(self, step: int, params, reused: dict[str, Any] | None = None) -> None:
     """One ``phase: "eval"`` line in metrics.jsonl (``step`` = updates done); ``reused``: an

@@ -74,6 +74,13 @@ class RunOutputs:
     if self.enabled:
       (self.workdir / name).write_text(json.dumps(obj, indent=1, default=_clean))
 
+  def write_text(self, name: str, text: str) -> None:
+    """Writes ``<workdir>/<name>`` (its folder created), e.g. ``eval_outputs/step_000050.jsonl``."""
+    if self.enabled:
+      path = self.workdir / name
+      path.parent.mkdir(parents=True, exist_ok=True)
+      path.write_text(text)
+
   def plot(self) -> str | None:
     """Writes ``metrics.png`` (:func:`plot_metrics`)."""
     return plot_metrics(self.workdir) if self.enabled else None
