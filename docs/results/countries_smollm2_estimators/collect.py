@@ -1,0 +1,400 @@
+"""Collects the estimator study's runs (run.sh) into results.json, results.md, curves.png,
+forest.png and outputs/ (per-question rows of every evaluation).
+
+  python docs/results/countries_smollm2_estimators/collect.py --runs runs/estimators \
+      --out docs/results/countries_smollm2_estimators --command "..."
+
+Works on a partial grid: a run that has not finished is left out (and listed as missing);
+every statistic says how many warm-starts it rests on.
+
+Statistics (README.md of this folder, "Statistics"):
+* test EM of a setting: the mean over its warm-starts of the final test EM (all 469 test
+  questions, greedy); 95% interval from a two-way bootstrap that resamples warm-starts and
+  questions (the same question draw for every warm-start of a replicate), percentile method;
+* the paired difference from ``grpo_recycle``: per warm-start and question, this setting's EM
+  minus grpo_recycle's on the same question from the same warm-start, averaged, with the same
+  two-way bootstrap; only the warm-starts both have finished enter it.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import sys
+
+import numpy as np
+
+REFERENCE = "grpo_recycle"
+CONTROLS = ("sft_continued", "rft")
+ORDER = ("grpo_recycle", "grpo", "stratified", "gigpo", "hadw", "all_four", "rft",
+         "sft_continued")
+HOPS = ((None, "em"), (1, "em_1hop"), (2, "em_2hop"))
+BOOT = 4000
+SFT_STEPS = 30       # the warm-start's SFT steps: RL step r is run step 30 + r
+
+
+def read_jsonl(path: str) -> list[dict]:
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def normalise_eval_rows(rows: list[dict]) -> list[dict]:
+  """gigrl-eval's ``samples_<set>.jsonl`` rows (lists per sample) -> the trainer's
+  ``eval_outputs`` schema (id, hops, prediction, em, f1, searches, queries, retrieved); a
+  sampled evaluation keeps every sample's answer and EM (``predictions``, ``em_samples``)."""
+  out = []
+  for r in rows:
+    row = {"id": r["id"], "hops": r["hops"], "prediction": r["answers"][0], "em": r["em"][0],
+           "f1": r["f1"][0], "searches": r["search_calls"][0],
+           "queries": r.get("queries", [[]])[0], "retrieved": r.get("retrieved", [[]])[0]}
+    if len(r["em"]) > 1:
+      row.update(predictions=r["answers"], em_samples=r["em"],
+                 searches_samples=r["search_calls"])
+    out.append(row)
+  return out
+
+
+def by_hop(rows: list[dict]) -> dict[str, float]:
+  out = {}
+  for hops, key in HOPS:
+    sel = [r["em"] for r in rows if hops is None or r["hops"] == hops]
+    out[key] = float(np.mean(sel)) if sel else float("nan")
+    out["n" + key[2:]] = len(sel)
+  return out
+
+
+def eval_lines(run: str) -> list[dict]:
+  path = os.path.join(run, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  return [r for r in read_jsonl(path) if r.get("phase") == "eval"]
+
+
+def val_metrics(line: dict) -> dict[str, float]:
+  return {"em": line["eval/em"], "em_1hop": line.get("eval/em/hops=1", float("nan")),
+          "em_2hop": line.get("eval/em/hops=2", float("nan"))}
+
+
+def run_config(run: str) -> dict:
+  metas = sorted(glob.glob(os.path.join(run, "checkpoints", "*", "meta", "metadata")),
+                 key=lambda p: int(p.split(os.sep)[-3]))
+  if not metas:
+    return {}
+  with open(metas[-1], encoding="utf-8") as f:
+    return json.load(f).get("config", {})
+
+
+def rollouts_per_step(cfg: dict) -> int:
+  """Rollouts generated per RL step: candidate prompts x group size (query recycling rolls
+  out ``oversample`` x ``prompts_per_step`` candidates; 0 for SFT)."""
+  d = cfg.get("data", {})
+  if not d:
+    return 0
+  over = d["pool"]["oversample"] if d["pool"]["rule"] != "grpo" else 1
+  return int(d["prompts_per_step"] * over * d["group_size"])
+
+
+# ---------------------------------------------------------------------------- bootstrap
+def two_way_bootstrap(m: np.ndarray, rng: np.random.Generator, b: int = BOOT
+                      ) -> tuple[float, list[float]]:
+  """Mean of ``m`` f32[S, Q] (warm-starts x questions) and the 95% percentile interval of a
+  bootstrap resampling warm-starts and questions independently (multinomial weights)."""
+  s, q = m.shape
+  ws = rng.multinomial(s, np.full(s, 1 / s), size=b).astype(np.float64)
+  wq = rng.multinomial(q, np.full(q, 1 / q), size=b).astype(np.float64)
+  reps = np.einsum("bs,sq,bq->b", ws, m, wq) / (s * q)
+  lo, hi = np.percentile(reps, [2.5, 97.5])
+  return float(m.mean()), [float(lo), float(hi)]
+
+
+def em_matrix(finals: dict[int, dict[str, dict]], seeds: list[int], ids: list[str]
+              ) -> np.ndarray:
+  return np.array([[finals[s][i]["em"] for i in ids] for s in seeds], np.float64)
+
+
+# ---------------------------------------------------------------------------- one setting
+def collect_run(run: str) -> dict | None:
+  """A finished run's validation curve, final test rows and mechanisms (None if unfinished)."""
+  test = os.path.join(run, "test_final", "samples_test.jsonl")
+  if not os.path.exists(test):
+    return None
+  cfg = run_config(run)
+  per_step = rollouts_per_step(cfg)
+  curve = [{"rl_step": line["step"] - SFT_STEPS,
+            "rollouts": (line["step"] - SFT_STEPS) * per_step, **val_metrics(line)}
+           for line in eval_lines(run)]
+  metrics = [r for r in read_jsonl(os.path.join(run, "metrics.jsonl"))
+             if r.get("phase") in ("rl", "sft")]
+  return {"curve": curve, "test": normalise_eval_rows(read_jsonl(test)), "metrics": metrics,
+          "rollouts_per_step": per_step}
+
+
+def mechanisms(runs: dict[int, dict]) -> dict[str, float]:
+  """Means over the RL steps of every finished warm-start (``late``: the last 5 steps)."""
+  keys = {"zero_variance_frac": "zero_variance_frac",
+          "recycled_frac": "pool/recycled_frac",
+          "gigpo_anchor_group_frac": "gigpo/anchor_group_frac",
+          "cross_stratum_bias": "strat/cross_stratum_bias",
+          "stratified_var_reduction": "strat/var_reduction",
+          "hadw_phi_hard": "hadw/phi_hard", "hadw_phi_easy": "hadw/phi_easy",
+          "train_reward": "reward_mean"}
+  out = {}
+  for name, key in keys.items():
+    vals = [r[key] for run in runs.values() for r in run["metrics"]
+            if r.get("phase") == "rl" and isinstance(r.get(key), (int, float))]
+    late = [r[key] for run in runs.values() for r in run["metrics"][-5:]
+            if r.get("phase") == "rl" and isinstance(r.get(key), (int, float))]
+    if vals:
+      out[name] = float(np.mean(vals))
+      out[name + "_late"] = float(np.mean(late)) if late else float("nan")
+  for hops in (1, 2):
+    calls = [r["searches"] for run in runs.values() for r in run["test"] if r["hops"] == hops]
+    if calls:
+      out[f"test_searches_{hops}hop"] = float(np.mean(calls))
+  return out
+
+
+# ------------------------------------------------------------------------------ main
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--runs", default="runs/estimators")
+  p.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+  p.add_argument("--command", default="bash docs/results/countries_smollm2_estimators/run.sh")
+  args = p.parse_args(argv)
+  rng = np.random.default_rng(0)
+  outputs = os.path.join(args.out, "outputs")
+  os.makedirs(outputs, exist_ok=True)
+  settings_sh = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "run.sh")).read()
+  overrides = dict(re.findall(r'^\s+"([a-z_]+):([^"]+)"', settings_sh, re.M))
+  overrides["sft_continued"] = ("train.sft_steps=50,train.num_steps=0,"
+                                "train.sft_learning_rate=1e-5,train.sft_questions=<all train>")
+
+  def save(name: str, rows: list[dict]) -> None:
+    with open(os.path.join(outputs, name + ".jsonl"), "w", encoding="utf-8") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
+
+  # warm-starts
+  warm = {}
+  for wdir in sorted(glob.glob(os.path.join(args.runs, "warm_start", "seed_*"))):
+    s = int(wdir.rsplit("_", 1)[1])
+    lines = [x for x in eval_lines(wdir) if x["step"] == SFT_STEPS]
+    if not lines:
+      continue
+    w = {"seed": s, "validation_start": val_metrics(lines[-1])}
+    vrows = os.path.join(wdir, "eval_outputs", f"step_{SFT_STEPS:06d}.jsonl")
+    if os.path.exists(vrows):
+      shutil.copy(vrows, os.path.join(outputs, f"warm_start_seed{s}_validation.jsonl"))
+    for what, key in (("test_start", "test_start"), ("closed_book", "closed_book"),
+                      ("passk_start", "pass_at_k_2hop_start")):
+      files = glob.glob(os.path.join(wdir, what, "samples_*.jsonl"))
+      if not files:
+        continue
+      rows = normalise_eval_rows(read_jsonl(files[0]))
+      save(f"warm_start_seed{s}_{what}", rows)
+      if what == "passk_start":
+        res = json.load(open(os.path.join(wdir, what, "results.json")))["datasets"]
+        w[key] = {k.split("@")[1]: v for k, v in next(iter(res.values())).items()
+                  if k.startswith("eval/pass@")}
+      else:
+        w[key] = by_hop(rows)
+        if what == "test_start":
+          w["test_rows"] = {r["id"]: r for r in rows}
+    warm[s] = w
+
+  # RL settings and controls
+  found: dict[str, dict[int, dict]] = {}
+  for name in ORDER:
+    for rdir in sorted(glob.glob(os.path.join(args.runs, "rl", name, "seed_*"))):
+      s = int(rdir.rsplit("_", 1)[1])
+      run = collect_run(rdir)
+      if run is None:
+        continue
+      found.setdefault(name, {})[s] = run
+      save(f"{name}_seed{s}_test_final", run["test"])
+      for f in sorted(glob.glob(os.path.join(rdir, "eval_outputs", "step_*.jsonl"))):
+        step = int(re.search(r"step_(\d+)", f).group(1)) - SFT_STEPS
+        shutil.copy(f, os.path.join(outputs, f"{name}_seed{s}_validation_rl{step:02d}.jsonl"))
+      pk = glob.glob(os.path.join(rdir, "passk_final", "samples_*.jsonl"))
+      if pk:
+        save(f"{name}_seed{s}_passk_final", normalise_eval_rows(read_jsonl(pk[0])))
+        res = json.load(open(os.path.join(rdir, "passk_final", "results.json")))["datasets"]
+        run["passk"] = {k.split("@")[1]: v for k, v in next(iter(res.values())).items()
+                        if k.startswith("eval/pass@")}
+
+  ids = sorted(next(iter(warm.values()))["test_rows"]) if warm and all(
+      "test_rows" in w for w in warm.values()) else []
+  hop_of = {i: warm[min(warm)]["test_rows"][i]["hops"] for i in ids} if ids else {}
+  cols = {key: [i for i in ids if h is None or hop_of[i] == h] for h, key in HOPS}
+
+  def test_block(finals: dict[int, dict[str, dict]]) -> dict:
+    seeds = sorted(finals)
+    out = {"n_warm_starts": len(seeds), "ci95": {}}
+    for _, key in HOPS:
+      m = em_matrix(finals, seeds, cols[key])
+      out[key], out["ci95"][key] = two_way_bootstrap(m, rng)
+    return out
+
+  def paired(finals: dict[int, dict[str, dict]], ref: dict[int, dict[str, dict]]) -> dict:
+    seeds = sorted(set(finals) & set(ref))
+    if not seeds:
+      return {}
+    out = {"n_warm_starts": len(seeds)}
+    for _, key in HOPS:
+      d = em_matrix(finals, seeds, cols[key]) - em_matrix(ref, seeds, cols[key])
+      mean, ci = two_way_bootstrap(d, rng)
+      out[key], out["ci95" if key == "em_2hop" else f"ci95_{key}"] = mean, ci
+    return out
+
+  results = {"validation_questions": 214, "test_questions": len(ids),
+             "protocol": "docs/results/countries_smollm2_estimators/README.md",
+             "warm_starts": [{k: v for k, v in w.items() if k != "test_rows"}
+                             for _, w in sorted(warm.items())],
+             "settings": {}, "controls": {}, "missing": [], "command": args.command}
+  if ids:
+    results["warm_starts_test"] = test_block({s: w["test_rows"] for s, w in warm.items()})
+    results["closed_book_test"] = {k: float(np.mean([w["closed_book"][k] for w in warm.values()
+                                                      if "closed_book" in w]))
+                                   for _, k in HOPS if any("closed_book" in w for w in warm.values())}
+  ref = {s: {r["id"]: r for r in run["test"]} for s, run in found.get(REFERENCE, {}).items()}
+  for name in ORDER:
+    runs = found.get(name, {})
+    for s in warm:
+      if s not in runs:
+        results["missing"].append(f"{name}/seed_{s}")
+    if not runs or not ids:
+      continue
+    finals = {s: {r["id"]: r for r in run["test"]} for s, run in runs.items()}
+    entry = {"overrides": overrides.get(name, ""),
+             "seeds": [{"seed": s,
+                        "start": {k: v for k, v in warm[s].get("test_start", {}).items()
+                                  if k.startswith("em")},
+                        "final": {k: v for k, v in by_hop(run["test"]).items()
+                                  if k.startswith("em")},
+                        "validation_curve": run["curve"],
+                        "rollouts_per_step": run["rollouts_per_step"],
+                        **({"pass_at_k_2hop_final": run["passk"]} if "passk" in run else {})}
+                       for s, run in sorted(runs.items())],
+             "test": test_block(finals),
+             "paired_vs_grpo_recycle": (paired(finals, ref) if name != REFERENCE else {}),
+             "mechanisms": mechanisms(runs)}
+    results["controls" if name in CONTROLS else "settings"][name] = entry
+  with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:
+    json.dump(results, f, indent=1)
+  write_markdown(results, os.path.join(args.out, "results.md"))
+  plot_curves(results, os.path.join(args.out, "curves.png"))
+  plot_forest(results, os.path.join(args.out, "forest.png"))
+  done = sum(len(e["seeds"]) for part in ("settings", "controls")
+             for e in results[part].values())
+  print(f"collected {len(warm)} warm-starts and {done} runs ({len(results['missing'])} "
+        f"missing) -> {args.out}", file=sys.stderr)
+  return 0
+
+
+def _ci(x: list[float]) -> str:
+  return f"[{x[0]:+.3f}, {x[1]:+.3f}]"
+
+
+def write_markdown(results: dict, path: str) -> None:
+  lines = [f"# Estimator study: test EM ({results['test_questions']} questions, greedy), "
+           "mean over warm-starts", ""]
+  if results.get("warm_starts_test"):
+    w = results["warm_starts_test"]
+    cb = results.get("closed_book_test", {})
+    lines += [f"Start of RL (the warm-starts, n = {w['n_warm_starts']}): EM {w['em']:.3f} "
+              f"{_ci(w['ci95']['em'])}, 1-hop {w['em_1hop']:.3f}, 2-hop {w['em_2hop']:.3f}; "
+              f"closed book (retriever returns nothing): EM {cb.get('em', float('nan')):.3f}, "
+              f"1-hop {cb.get('em_1hop', float('nan')):.3f}, "
+              f"2-hop {cb.get('em_2hop', float('nan')):.3f}.", ""]
+  lines += ["| setting | warm-starts | EM [95% CI] | 1-hop | 2-hop [95% CI] | paired 2-hop vs "
+            "grpo_recycle [95% CI] | paired EM vs grpo_recycle |",
+            "|---|---|---|---|---|---|---|"]
+  for part in ("settings", "controls"):
+    for name, e in results[part].items():
+      t, pr = e["test"], e["paired_vs_grpo_recycle"]
+      pair2 = f"{pr['em_2hop']:+.3f} {_ci(pr['ci95'])}" if pr else "(reference)"
+      pair = f"{pr['em']:+.3f} {_ci(pr['ci95_em'])}" if pr else ""
+      lines.append(f"| {name}{' (control)' if part == 'controls' else ''} | "
+                   f"{t['n_warm_starts']} | {t['em']:.3f} {_ci(t['ci95']['em'])} | "
+                   f"{t['em_1hop']:.3f} | {t['em_2hop']:.3f} {_ci(t['ci95']['em_2hop'])} | "
+                   f"{pair2} | {pair} |")
+  if results["missing"]:
+    lines += ["", "Not finished yet: " + ", ".join(results["missing"]) + "."]
+  lines += ["", f"Command: `{results['command']}`", ""]
+  with open(path, "w", encoding="utf-8") as f:
+    f.write("\n".join(lines))
+
+
+def _entries(results: dict):
+  for part in ("settings", "controls"):
+    yield from results[part].items()
+
+
+def plot_curves(results: dict, path: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, axes = plt.subplots(2, 3, figsize=(15, 8.5), sharey="col")
+  for name, e in _entries(results):
+    for row, xkey in enumerate(("rl_step", "rollouts")):
+      if xkey == "rollouts" and not e["seeds"][0]["rollouts_per_step"]:
+        continue                        # continued SFT generates no rollouts
+      for col, (_, key) in enumerate(HOPS):
+        curves = [{c[xkey]: c[key] for c in s["validation_curve"]} for s in e["seeds"]]
+        xs = sorted(set.intersection(*(set(c) for c in curves)))
+        if not xs:
+          continue
+        ys = np.array([[c[x] for x in xs] for c in curves])
+        mean = ys.mean(0)
+        ax = axes[row, col]
+        line, = ax.plot(xs, mean, marker="o", ms=3, label=f"{name} (n={len(curves)})",
+                        ls="--" if name in CONTROLS else "-")
+        if len(curves) > 1:
+          half = ys.std(0, ddof=1) / np.sqrt(len(curves))
+          ax.fill_between(xs, mean - half, mean + half, color=line.get_color(), alpha=0.15)
+  titles = {"em": "all 214", "em_1hop": "the 132 1-hop", "em_2hop": "the 82 2-hop"}
+  for col, (_, key) in enumerate(HOPS):
+    axes[0, col].set_title(f"validation EM, {titles[key]} questions")
+    axes[0, col].set_xlabel("updates after the warm-start (RL steps / SFT steps)")
+    axes[1, col].set_xlabel("rollouts generated")
+  for ax in axes.flat:
+    ax.grid(alpha=0.3)
+  axes[0, 0].set_ylabel("EM (mean over warm-starts, band ±1 s.e.)")
+  axes[1, 0].set_ylabel("EM")
+  handles, labels = axes[0, 0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc="lower center", ncol=4)
+  fig.tight_layout(rect=(0, 0.07, 1, 1))
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def plot_forest(results: dict, path: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  rows = [(n, e) for n, e in _entries(results) if e["paired_vs_grpo_recycle"]]
+  fig, axes = plt.subplots(1, 3, figsize=(14, 1.2 + 0.5 * max(len(rows), 1)), sharey=True)
+  for col, (_, key) in enumerate(HOPS):
+    ax = axes[col]
+    for i, (name, e) in enumerate(rows):
+      pr = e["paired_vs_grpo_recycle"]
+      ci = pr["ci95" if key == "em_2hop" else f"ci95_{key}"]
+      ax.plot(ci, [i, i], color="C0" if name not in CONTROLS else "C3")
+      ax.plot([pr[key]], [i], "o", color="C0" if name not in CONTROLS else "C3")
+    ax.axvline(0, color="k", lw=0.8)
+    ax.set_title({"em": "test EM", "em_1hop": "test EM, 1-hop",
+                  "em_2hop": "test EM, 2-hop"}[key] + " minus grpo_recycle's")
+    ax.grid(alpha=0.3, axis="x")
+  axes[0].set_yticks(range(len(rows)))
+  axes[0].set_yticklabels([f"{n} (n={e['paired_vs_grpo_recycle']['n_warm_starts']})"
+                           for n, e in rows])
+  axes[0].invert_yaxis()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,105 @@
+"""docs/results/countries_smollm2_estimators/collect.py on a synthetic grid: the statistics
+(two-way bootstrap, paired differences) and the results.json schema issue #39 names."""
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PATH = os.path.join(ROOT, "docs/results/countries_smollm2_estimators/collect.py")
+
+
+def _collect():
+  spec = importlib.util.spec_from_file_location("study_collect", PATH)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def _write(path, rows):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def _eval_rows(em, hops):
+  return [{"id": f"q{i}", "hops": int(h), "answers": ["x"], "em": [float(e)], "f1": [float(e)],
+           "search_calls": [int(h)], "queries": [["q"] * int(h)], "retrieved": [[["p"]] * int(h)]}
+          for i, (e, h) in enumerate(zip(em, hops))]
+
+
+def _meta(run, step, rule, over, prompts=8):
+  _write(os.path.join(run, "checkpoints", str(step), "meta", "metadata"), [])
+  with open(os.path.join(run, "checkpoints", str(step), "meta", "metadata"), "w") as f:
+    json.dump({"config": {"data": {"prompts_per_step": prompts, "group_size": 4,
+                                   "pool": {"rule": rule, "oversample": over}}}}, f)
+
+
+def _grid(root, q=60, seeds=(0, 1), gain=None):
+  rng = np.random.default_rng(0)
+  hops = np.array([1, 2] * (q // 2))
+  gain = gain or {"grpo_recycle": 0.3, "grpo": 0.3, "gigpo": 0.1}
+  line = lambda step, em: {"step": step, "phase": "eval", "eval/em": em, "eval/em/hops=1": em,
+                           "eval/em/hops=2": em}
+  for s in seeds:
+    w = os.path.join(root, "warm_start", f"seed_{s}")
+    _write(os.path.join(w, "metrics.jsonl"), [line(30, 0.4)])
+    start = rng.random(q) < 0.4
+    _write(os.path.join(w, "test_start", "samples_test.jsonl"), _eval_rows(start, hops))
+    _write(os.path.join(w, "closed_book", "samples_test.jsonl"), _eval_rows(0 * start, hops))
+    for name, g in gain.items():
+      run = os.path.join(root, "rl", name, f"seed_{s}")
+      final = start | (np.random.default_rng(s).random(q) < g)   # same draw: paired
+      _write(os.path.join(run, "test_final", "samples_test.jsonl"), _eval_rows(final, hops))
+      _write(os.path.join(run, "metrics.jsonl"),
+             [line(30, 0.4)] + [{"step": 30 + i, "phase": "rl", "zero_variance_frac": 0.5,
+                                 "pool/recycled_frac": 0.75} for i in range(1, 21)]
+             + [line(50, 0.5)])
+      _meta(run, 50, "grpo" if name == "grpo" else "recycle", 2)
+  return hops
+
+
+def test_collect_schema_and_paired_statistics(tmp_path):
+  mod = _collect()
+  _grid(tmp_path / "runs")
+  out = tmp_path / "out"
+  os.makedirs(out)
+  assert mod.main(["--runs", str(tmp_path / "runs"), "--out", str(out), "--command", "x"]) == 0
+  res = json.load(open(out / "results.json"))
+  assert res["test_questions"] == 60 and len(res["warm_starts"]) == 2
+  assert res["closed_book_test"]["em"] == 0.0
+  for name in ("grpo", "gigpo"):
+    e = res["settings"][name]
+    t = e["test"]
+    assert t["n_warm_starts"] == 2
+    for key in ("em", "em_1hop", "em_2hop"):
+      lo, hi = t["ci95"][key]
+      assert lo <= t[key] <= hi
+    assert {"em_2hop", "ci95"} <= set(e["paired_vs_grpo_recycle"])
+    assert e["seeds"][0]["final"].keys() >= {"em", "em_1hop", "em_2hop"}
+  # grpo's finals equal grpo_recycle's question by question: the paired difference is exactly 0
+  pr = res["settings"]["grpo"]["paired_vs_grpo_recycle"]
+  assert pr["em_2hop"] == 0.0 and pr["ci95"] == [0.0, 0.0]
+  # gigpo gains less on the same questions: a negative paired difference
+  assert res["settings"]["gigpo"]["paired_vs_grpo_recycle"]["em"] < 0
+  # rollouts per step: recycling rolls out 2 x 8 prompts x 4, plain GRPO 8 x 4
+  assert res["settings"]["grpo_recycle"]["seeds"][0]["rollouts_per_step"] == 64
+  assert res["settings"]["grpo"]["seeds"][0]["rollouts_per_step"] == 32
+  assert res["settings"]["grpo"]["mechanisms"]["recycled_frac"] == pytest.approx(0.75)
+  assert "rft/seed_0" in res["missing"]
+  for f in ("results.md", "curves.png", "forest.png", "outputs/grpo_seed1_test_final.jsonl"):
+    assert os.path.exists(out / f), f
+
+
+def test_two_way_bootstrap_widens_with_warm_start_spread():
+  mod = _collect()
+  rng = np.random.default_rng(0)
+  q = rng.random((1, 200)) < 0.5
+  same = np.repeat(q, 3, axis=0).astype(float)
+  spread = same.copy()
+  spread[0] = 0.0                              # one warm-start far from the others
+  _, ci_same = mod.two_way_bootstrap(same, np.random.default_rng(1))
+  _, ci_spread = mod.two_way_bootstrap(spread, np.random.default_rng(1))
+  assert ci_spread[1] - ci_spread[0] > ci_same[1] - ci_same[0]
