@@ -212,6 +212,10 @@ def main(argv=None) -> int:
       run = collect_run(rdir)
       if run is None:
         continue
+      if s in warm and not any(c["rl_step"] == 0 for c in run["curve"]):
+        # a control resumed from the warm-start's checkpoint has no eval line of its own at
+        # its start: the warm-start's (same params, same questions)
+        run["curve"].insert(0, {"rl_step": 0, "rollouts": 0, **warm[s]["validation_start"]})
       found.setdefault(name, {})[s] = run
       save(f"{name}_seed{s}_test_final", run["test"])
       for f in sorted(glob.glob(os.path.join(rdir, "eval_outputs", "step_*.jsonl"))):
@@ -253,6 +257,9 @@ def main(argv=None) -> int:
              "warm_starts": [{k: v for k, v in w.items() if k != "test_rows"}
                              for _, w in sorted(warm.items())],
              "settings": {}, "controls": {}, "missing": [], "command": args.command}
+  commits = os.path.join(args.runs, "commits.txt")
+  if os.path.exists(commits):          # the code each (re)start of run.sh ran
+    results["commits"] = sorted(set(open(commits).read().split()))
   if ids:
     results["warm_starts_test"] = test_block({s: w["test_rows"] for s, w in warm.items()})
     results["closed_book_test"] = {k: float(np.mean([w["closed_book"][k] for w in warm.values()

@@ -8,6 +8,11 @@
 #   RUNS=/big/disk SEEDS="0 1 2" bash docs/results/countries_smollm2_estimators/run.sh
 #   nohup bash docs/results/countries_smollm2_estimators/run.sh > runs/estimators.log 2>&1 &
 #
+# To keep developing while the grid runs, run it from a worktree pinned at one commit, its
+# package first on PYTHONPATH (the venv's editable install points at the main checkout):
+#   git worktree add ../study HEAD && cd ../study && RUNS=$PWD/../main/runs/estimators \
+#     PYTHONPATH=$PWD nohup bash docs/results/countries_smollm2_estimators/run.sh > ... &
+#
 # Order: the three warm-starts and their start-of-RL evaluations first, then seed 0 of every
 # setting and control, then seed 1, then seed 2, so that a partial grid is a paired one.
 # Cost on 2 CPU cores: ~10 min a warm-start, ~25-30 min a run (20 RL steps, 4 validation
@@ -26,6 +31,8 @@ TEST=$DATA/questions_test.jsonl
 OUT=docs/results/countries_smollm2_estimators
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
 mkdir -p "$RUNS"
+# the code the grid runs (a resumed grid should run the same; see README "Where the grid stands")
+git rev-parse HEAD >> "$RUNS/commits.txt" 2>/dev/null || true
 
 ckpt=$(python -c 'from gigrl.models import fetch; print(fetch.default_dir("smollm2-135m-instruct"))')
 [[ -f $ckpt/config.json ]] || gigrl-fetch smollm2-135m-instruct
