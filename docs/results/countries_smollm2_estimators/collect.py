@@ -288,8 +288,10 @@ def main(argv=None) -> int:
              "paired_vs_grpo_recycle": (paired(finals, ref) if name != REFERENCE else {}),
              "mechanisms": mechanisms(runs)}
     results["controls" if name in CONTROLS else "settings"][name] = entry
-  with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:
+  tmp = os.path.join(args.out, "results.json.tmp")      # atomic: readers never see half
+  with open(tmp, "w", encoding="utf-8") as f:
     json.dump(results, f, indent=1)
+  os.replace(tmp, os.path.join(args.out, "results.json"))
   write_markdown(results, os.path.join(args.out, "results.md"))
   plot_curves(results, os.path.join(args.out, "curves.png"))
   plot_forest(results, os.path.join(args.out, "forest.png"))
