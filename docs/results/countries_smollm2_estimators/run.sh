@@ -13,8 +13,9 @@
 #   git worktree add ../study HEAD && cd ../study && RUNS=$PWD/../main/runs/estimators \
 #     PYTHONPATH=$PWD nohup bash docs/results/countries_smollm2_estimators/run.sh > ... &
 #
-# Order: the three warm-starts and their start-of-RL evaluations first, then seed 0 of every
-# setting and control, then seed 1, then seed 2, so that a partial grid is a paired one.
+# Order: the three warm-starts and their start-of-RL test and closed-book evaluations first,
+# then seed 0 of every setting and control and its pass@k, then seed 1, then seed 2, so that a
+# partial grid is a paired one.
 # Cost on 2 CPU cores: ~10 min a warm-start, ~25-30 min a run (20 RL steps, 4 validation
 # evaluations of 214 questions, a test evaluation of 469): ~12 hours in all.
 #
@@ -63,12 +64,15 @@ evaluate() {  # evaluate WORKDIR OUTPUT [gigrl-eval args...]: skipped when done
   [[ -f $out/results.json ]] || gigrl-eval --workdir "$dir" --output "$out" "$@"
 }
 
-start_evals() {  # the start of RL of warm-start s: test (greedy), closed book, 2-hop pass@k
+start_evals() {  # the start of RL of warm-start s: test (greedy) and closed book
   local w=$RUNS/warm_start/seed_$1
   evaluate "$w" "$w/test_start" --datasets "test=$TEST"
   evaluate "$w" "$w/closed_book" --datasets "test=$TEST" --retriever none
-  evaluate "$w" "$w/passk_start" --datasets "test_2hop=$RUNS/test_2hop.jsonl" \
-      --mode sample --samples 8 --k 1,4,8
+}
+
+passk() {  # passk WORKDIR OUTPUT: 8 samples (temperature 1) on the 2-hop test questions
+  evaluate "$1" "$2" --datasets "test_2hop=$RUNS/test_2hop.jsonl" --mode sample --samples 8 \
+      --k 1,4,8
 }
 
 # 1. Three warm-starts: SFT only (seed s: its own demonstration order), validation EM at its end.
@@ -88,10 +92,6 @@ for s in $SEEDS; do
         --set "train.init_from=$w" || true
     d=$RUNS/rl/$name/seed_$s
     [[ -f $d/sweep_done.json ]] && evaluate "$d" "$d/test_final" --datasets "test=$TEST"
-    if [[ $name == grpo_recycle && -f $d/sweep_done.json ]]; then
-      evaluate "$d" "$d/passk_final" --datasets "test_2hop=$RUNS/test_2hop.jsonl" \
-          --mode sample --samples 8 --k 1,4,8
-    fi
   done
   # Control: 20 further SFT updates from the warm-start's checkpoint (its optimizer state
   # included) at the RL learning rate, on the demonstrations of every training question (the
@@ -107,6 +107,11 @@ print(sum(json.loads(l)["split"] == "train" for l in open(sys.argv[1])))' "$DATA
         --config.train.sft_questions=$ntrain --config.train.sft_eval_every=5
   fi
   evaluate "$d" "$d/test_final" --datasets "test=$TEST"
+  # pass@1/4/8 on the 2-hop test questions at the start and the end of grpo_recycle (~15 min
+  # each: after the seed's runs, so that a partial grid holds paired runs first)
+  passk "$w" "$w/passk_start"
+  d=$RUNS/rl/grpo_recycle/seed_$s
+  [[ -f $d/sweep_done.json ]] && passk "$d" "$d/passk_final"
   python $OUT/collect.py --runs "$RUNS" --out $OUT \
       --command "RUNS=$RUNS SEEDS=\"$SEEDS\" bash $OUT/run.sh" || true
 done
