@@ -133,3 +133,36 @@ def test_two_hop_queries_name_the_pivot_entity_then_the_bridge_country(generated
                      for e in (bridge.capital, bridge.currency_name,
                                src[q["countries"][0]].name)}, q
     assert then in {t.format(e=bridge.name) for t in countries.ONE_HOP_TEMPLATES[second]}, q
+
+
+# ------------------------------------------------------------------ the validation split (#39)
+def test_validation_split_matches_shipped_files(generated):
+  _, questions = generated
+  trainval, test = countries.validation_split(questions)
+  assert _read(countries.TRAINVAL_FILE) == trainval
+  assert _read(countries.TEST_FILE) == test
+  assert test == [q for q in questions if q["split"] == "eval"]        # test is unchanged
+
+
+def test_validation_split_is_disjoint_in_countries_and_answers(generated):
+  _, questions = generated
+  trainval, test = countries.validation_split(questions)
+  train = [q for q in trainval if q["split"] == "train"]
+  val = [q for q in trainval if q["split"] == "eval"]
+  assert all(q["role"] == "validation" and q["id"].startswith("countries-val-") for q in val)
+  hops = collections.Counter(q["hops"] for q in val)
+  assert len(val) >= 150 and hops[1] >= 50 and hops[2] >= 50, hops
+  country = lambda rows: {c for q in rows for c in q["countries"]}
+  answers = lambda rows: {qa.normalize_answer(a) for q in rows for a in q["golden_answers"]}
+  assert not country(val) & country(train) and not country(val) & country(test)
+  assert not answers(val) & answers(train) and not answers(val) & answers(test)
+  assert not {qa.normalize_answer(q["question"]) for q in val} & {
+      qa.normalize_answer(q["question"]) for q in train + test}
+  # one phrasing per question about the same facts, as test has
+  facts = collections.Counter((q["relation"], tuple(q["countries"])) for q in val)
+  assert max(facts.values()) == 1
+  # the training ids keep their order: 1-hop first, so train.sft_questions still picks a prefix
+  assert [q["hops"] for q in train] == sorted(q["hops"] for q in train)
+  assert len(train) == countries.count_train_questions(
+      1, os.path.join(ROOT, countries.TRAINVAL_FILE)) + countries.count_train_questions(
+      2, os.path.join(ROOT, countries.TRAINVAL_FILE))

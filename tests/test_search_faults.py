@@ -352,3 +352,21 @@ def test_health_check_passes_on_a_live_server():
   finally:
     srv.shutdown()
     srv.server_close()
+
+
+def test_backend_none_is_closed_book():
+  """search.backend='none' (the closed-book baseline): every query gets no passage, and the
+  observation is an empty <information> block; no corpus is read."""
+  from gigrl.search import config as search_config  # pylint: disable=g-import-not-at-top
+  from gigrl.rollout import trajectory  # pylint: disable=g-import-not-at-top
+  cfg = search_config.default_config()
+  cfg.backend = "none"
+  cfg.corpus = "/no/such/corpus.jsonl"          # never read
+  r = search_config.make_retriever(cfg)
+  assert r.search(["capital of Peru?", "currency of Peru?"], 3) == [[], []]
+
+  class Chars:                                    # a character tokenizer
+    def encode(self, text):
+      return [ord(c) for c in text]
+  ids, anchor = trajectory.observation_ids(Chars(), [], 64)
+  assert "".join(map(chr, ids)) == "\n\n<information></information>\n\n" and anchor == ""
