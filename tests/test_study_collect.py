@@ -89,6 +89,9 @@ def test_collect_schema_and_paired_statistics(tmp_path):
   assert res["settings"]["grpo"]["seeds"][0]["rollouts_per_step"] == 32
   assert res["settings"]["grpo"]["mechanisms"]["recycled_frac"] == pytest.approx(0.75)
   assert "rft/seed_0" in res["missing"]
+  # gain over the start on the same questions: finals are start | extra, so never below it
+  gain = res["settings"]["gigpo"]["gain_vs_start"]
+  assert gain["em"] > 0 and gain["ci95_em"][0] >= 0
   for f in ("results.md", "curves.png", "forest.png", "outputs/grpo_seed1_test_final.jsonl"):
     assert os.path.exists(out / f), f
 

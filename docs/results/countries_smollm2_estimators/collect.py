@@ -286,6 +286,9 @@ def main(argv=None) -> int:
                        for s, run in sorted(runs.items())],
              "test": test_block(finals),
              "paired_vs_grpo_recycle": (paired(finals, ref) if name != REFERENCE else {}),
+             # final minus start on the same questions from the same warm-start
+             "gain_vs_start": paired(finals, {s: w["test_rows"] for s, w in warm.items()
+                                              if "test_rows" in w}),
              "mechanisms": mechanisms(runs)}
     results["controls" if name in CONTROLS else "settings"][name] = entry
   tmp = os.path.join(args.out, "results.json.tmp")      # atomic: readers never see half
@@ -317,18 +320,21 @@ def write_markdown(results: dict, path: str) -> None:
               f"closed book (retriever returns nothing): EM {cb.get('em', float('nan')):.3f}, "
               f"1-hop {cb.get('em_1hop', float('nan')):.3f}, "
               f"2-hop {cb.get('em_2hop', float('nan')):.3f}.", ""]
-  lines += ["| setting | warm-starts | EM [95% CI] | 1-hop | 2-hop [95% CI] | paired 2-hop vs "
-            "grpo_recycle [95% CI] | paired EM vs grpo_recycle |",
-            "|---|---|---|---|---|---|---|"]
+  lines += ["| setting | warm-starts | EM [95% CI] | 1-hop | 2-hop [95% CI] | gain over the "
+            "start, EM [95% CI] | paired 2-hop vs grpo_recycle [95% CI] | paired EM vs "
+            "grpo_recycle |",
+            "|---|---|---|---|---|---|---|---|"]
   for part in ("settings", "controls"):
     for name, e in results[part].items():
       t, pr = e["test"], e["paired_vs_grpo_recycle"]
       pair2 = f"{pr['em_2hop']:+.3f} {_ci(pr['ci95'])}" if pr else "(reference)"
       pair = f"{pr['em']:+.3f} {_ci(pr['ci95_em'])}" if pr else ""
+      gain = e.get("gain_vs_start") or {}
+      gain = f"{gain['em']:+.3f} {_ci(gain['ci95_em'])}" if gain else ""
       lines.append(f"| {name}{' (control)' if part == 'controls' else ''} | "
                    f"{t['n_warm_starts']} | {t['em']:.3f} {_ci(t['ci95']['em'])} | "
                    f"{t['em_1hop']:.3f} | {t['em_2hop']:.3f} {_ci(t['ci95']['em_2hop'])} | "
-                   f"{pair2} | {pair} |")
+                   f"{gain} | {pair2} | {pair} |")
   if results["missing"]:
     lines += ["", "Not finished yet: " + ", ".join(results["missing"]) + "."]
   lines += ["", f"Command: `{results['command']}`", ""]
