@@ -166,3 +166,24 @@ def test_validation_split_is_disjoint_in_countries_and_answers(generated):
   assert len(train) == countries.count_train_questions(
       1, os.path.join(ROOT, countries.TRAINVAL_FILE)) + countries.count_train_questions(
       2, os.path.join(ROOT, countries.TRAINVAL_FILE))
+
+
+def test_validation_split_rules_each_hold_on_their_own():
+  """Each rule of :func:`countries.validation_split` acts alone on rows built to need it (on the
+  shipped data the chain rule and the answer rule mask each other: a mixed chain's answer is a
+  training answer, so the real-data test above cannot tell when one of them breaks)."""
+  val_c, train_c = ["AT", "AV"], ["AA", "AC"]
+  assert all(map(countries.is_validation, val_c)) and not any(map(countries.is_validation, train_c))
+
+  def row(n, cs, answer, split="train"):
+    return {"id": f"q{n}", "question": f"question {n}?", "golden_answers": [answer],
+            "relation": "capital", "countries": cs, "hops": len(cs), "split": split}
+  rows = [row(0, ["AA"], "Train City"), row(1, ["AT"], "Val City"),
+          row(2, ["AC", "AV"], "Fresh Answer"),            # a mixed chain, unseen answer
+          row(3, ["AV"], "train city"),                    # a validation chain, a train answer
+          row(4, ["AB"], "Test City", split="eval")]
+  trainval, test = countries.validation_split(rows)
+  assert [r["id"] for r in test] == ["q4"]
+  assert [r["id"] for r in trainval if r["split"] == "train"] == ["q0"]
+  val = [r for r in trainval if r["split"] == "eval"]
+  assert [r["question"] for r in val] == ["question 1?"], val
