@@ -123,6 +123,31 @@ def test_select_spreads_over_the_list():
   assert len(sel) == 10 and sel.count("b") == 5
 
 
+# ------------------------------------------------------------------ per-question rows (#39)
+def test_question_rows_name_each_search_and_its_passages():
+  """One row per question: id, hops, prediction, EM, searches, and the passage ids of each
+  search aligned with its query ([] for a search the turn limit left unexecuted)."""
+  from gigrl.search import base  # pylint: disable=g-import-not-at-top
+
+  class Fixed:
+    def search(self, queries, topk):
+      return [[base.Passage(f"{q}-{i}", "", 0.0) for i in range(topk)] for q in queries]
+
+  log = evaluate.RetrievalLog(Fixed())
+  log.search(["capital of Peru", "currency of Peru"], 2)
+  turns = ["<search>capital of Peru</search>", "<search>currency of Peru</search>",
+           "<search>never run</search>"]
+  qs = [Question("q-1", "Q?", ("Sol",), "countries")]
+  res = [evaluate.EvalResult("Q?", ("Sol",), "countries", "Sol", 1.0, 2, 0, "", f1=1.0,
+                             hops=2, turns=tuple(turns))]
+  (row,) = evaluate.question_rows(qs, res, log)
+  assert row["id"] == "q-1" and row["hops"] == 2 and row["prediction"] == "Sol"
+  assert row["em"] == 1.0 and row["searches"] == 2
+  assert row["queries"] == ["capital of Peru", "currency of Peru", "never run"]
+  assert row["retrieved"] == [["capital of Peru-0", "capital of Peru-1"],
+                              ["currency of Peru-0", "currency of Peru-1"], []]
+
+
 # ------------------------------------------------------------------ when evaluations run
 def test_eval_due_steps():
   """train.eval_every counts RL steps from the end of SFT; train.sft_eval_every adds step 0,

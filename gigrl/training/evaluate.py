@@ -312,15 +312,15 @@ class RetrievalLog:
     return self.inner.metrics()
 
   def retrieved(self, turns: Sequence[str]) -> list[list[str]]:
-    """The passage ids of each executed search in ``turns`` (a row's generated turns): one
-    list per ``<search>`` action, in order (the final turn's search, never executed, is left
-    out; ``[]`` for a query this log never saw)."""
-    out = []
-    for turn in turns:
-      kind, query = parse_action(turn)
-      if kind == "search" and query in self.ids:
-        out.append(list(self.ids[query]))
-    return out
+    """The passage ids of each search in ``turns`` (a row's generated turns): one list per
+    ``<search>`` action, aligned with :func:`search_queries` (``[]`` for a query this log never
+    saw, such as a final turn's search that the turn limit left unexecuted)."""
+    return [list(self.ids.get(q, [])) for q in search_queries(turns)]
+
+
+def search_queries(turns: Sequence[str]) -> list[str]:
+  """The query of each ``<search>`` action among a rollout's generated ``turns``, in order."""
+  return [p for k, p in map(parse_action, turns) if k == "search"]
 
 
 def question_rows(questions: Sequence[Any], results: Sequence[EvalResult],
@@ -336,7 +336,7 @@ def question_rows(questions: Sequence[Any], results: Sequence[EvalResult],
   for q, r in zip(questions, results):
     row = {"id": str(getattr(q, "id", "") or ""), "hops": r.hops, "prediction": r.answer,
            "em": r.em, "f1": r.f1, "searches": r.search_calls,
-           "queries": [p for k, p in map(parse_action, r.turns) if k == "search"]}
+           "queries": search_queries(r.turns)}
     if retrieval_log is not None:
       row["retrieved"] = retrieval_log.retrieved(r.turns)
     rows.append(row)
@@ -418,8 +418,7 @@ def evaluate_set(engine, params, questions: Sequence[Any], *, samples: int = 1,
            "answers": [rs[i].answer for rs in per_sample],
            "em": [rs[i].em for rs in per_sample], "f1": [rs[i].f1 for rs in per_sample],
            "search_calls": [rs[i].search_calls for rs in per_sample],
-           "queries": [[p for k, p in map(parse_action, ts[i]) if k == "search"]
-                       for ts in per_turns]}
+           "queries": [search_queries(ts[i]) for ts in per_turns]}
     if retrieval_log is not None:
       row["retrieved"] = [retrieval_log.retrieved(ts[i]) for ts in per_turns]
     row["text"] = per_sample[0][i].text
