@@ -1,7 +1,7 @@
 """gigrl against TRL's GRPOTrainer: GRPO steps of SmolLM2-135M-Instruct, same batch, one process.
 
   pip install -e .[bench]                  # TRL and its torch (kept out of the core install)
-  python benchmarks/vs_trl.py --quick      # 2 prompts x 4 samples, 32 tokens (< 10 min, 2 cores)
+  python benchmarks/vs_trl.py --quick      # 2 prompts x 4 samples, 32 tokens, 5 steps (~10 min)
   python benchmarks/vs_trl.py --json docs/results/vs_trl_cpu/results.json
 
 Both sides run in this process, one after the other, on the same checkpoint (`gigrl-fetch
@@ -73,6 +73,7 @@ def run_gigrl(a, max_turns: int):
            "step_s": r["step_time_s"],
            "gen_tokens": r["rollout/tokens_per_s"] * r["time/rollout_s"],
            "train_tokens": r["train/tokens_per_s"] * r["time/update_s"],
+           "compile_s": r.get("time/rollout_compile_s", 0.0) + r.get("time/update_compile_s", 0.0),
            "reward": r["reward_mean"]} for r in rows], t
 
 
@@ -143,6 +144,10 @@ def summarize(rows: list[dict], n_params: int, peak: float) -> dict:
   s["gen_mfu"] = 2 * n_params * s["gen_tokens_per_s"] / peak
   s["update_mfu"] = 6 * n_params * s["train_tokens_per_s"] / peak
   s["steps"] = len(rows)
+  # every timed step as measured (a step that met a new shape compiles inside it: gigrl's
+  # compile_s; TRL's eager torch has none to report)
+  s["per_step"] = [{k: r[k] for k in ("gen_s", "update_s", "step_s", "compile_s") if k in r}
+                   for r in rows]
   return s
 
 
@@ -155,11 +160,14 @@ def main(argv=None) -> None:
   p.add_argument("--steps", type=int, default=5, help="steps per side (the first is dropped)")
   p.add_argument("--lr", type=float, default=1e-6)
   p.add_argument("--no_multi_turn", action="store_true")
-  p.add_argument("--quick", action="store_true", help="2 prompts x 4, 32 tokens, 3 steps")
+  p.add_argument("--quick", action="store_true", help="2 prompts x 4, 32 tokens, 5 steps")
   p.add_argument("--json", default="", help="write the results here")
   a = p.parse_args(argv)
   if a.quick:
-    a.prompts, a.group, a.tokens, a.steps = 2, 4, 32, 3
+    # 5 steps, the first dropped: gigrl meets a new decode row count (a compile, ~4 s) on
+    # its second step too; the median of 4 timed steps is the steady state on both sides, and
+    # each timed step is printed and kept (per_step) with the compile time inside it
+    a.prompts, a.group, a.tokens, a.steps = 2, 4, 32, 5
   # pylint: disable=g-import-not-at-top
   import torch
   import trl
@@ -194,6 +202,12 @@ def main(argv=None) -> None:
     extra = f"   {res['gigrl_multi_turn'][key]:10.3f}" if "gigrl_multi_turn" in res else ""
     speed = f"{r[key] / g[key]:8.2f}" if key in ("gen_s", "update_s", "step_s") else " " * 8
     print(f"{label:24s} {g[key]:10.3f} {r[key]:10.3f} {g[key] / r[key]:10.3f} {speed}{extra}")
+  for name in ("gigrl", "trl", "gigrl_multi_turn"):
+    if name in res:
+      print(f"{name} per timed step: " + "; ".join(
+          f"gen {x['gen_s']:.2f} s, step {x['step_s']:.2f} s"
+          + (f" (compiling {x['compile_s']:.2f} s)" if x.get("compile_s") else "")
+          for x in res[name]["per_step"]))
   res["speedup"] = {k: r[k] / g[k] for k in ("gen_s", "update_s", "step_s")}
   print(f"\ngigrl/TRL step-time ratio {g['step_s'] / r['step_s']:.3f} (speedup "
         f"{res['speedup']['step_s']:.2f}x; generation {res['speedup']['gen_s']:.2f}x, update "

@@ -171,3 +171,24 @@ def test_auto_rollout_preset_shards_large_models(mesh):
   sh = nnx.to_pure_dict(shd.param_shardings(big, mesh, "auto"))
   assert sh["layers"]["w_up"].spec == P(None, "fsdp", "tp")
   assert sh["embed"].spec == P("tp", "fsdp")
+
+
+@pytest.mark.parametrize("train, rollout, shared", [("fsdp", "fsdp", True),
+                                                    ("fsdp", "tp", False)])
+def test_rollout_params_share_the_training_arrays_only_when_laid_out_alike(
+    mesh, reference, train, rollout, shared):
+  """Policy.rollout_params hands the rollout the training arrays themselves when they already
+  lie in the rollout layout (no copy of every weight each step), else a copy in that layout."""
+  from gigrl.training import build  # pylint: disable=g-import-not-at-top
+  graphdef, state = reference
+  params = shd.shard_state(state, mesh, train)
+  policy = build.Policy(model_cfg=CFG, graphdef=graphdef, mesh=mesh, params=params,
+                        param_sh=shd.param_shardings(params, mesh, train), train_preset=train,
+                        rollout_preset=rollout)
+  for _ in range(2):                                   # the decision is cached: ask twice
+    got = policy.rollout_params(params)
+    same = [a is b for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params))]
+    assert all(same) if shared else not any(same)
+    want = jax.tree.leaves(shd.param_shardings(params, mesh, rollout))
+    assert all(x.sharding.is_equivalent_to(w, x.ndim)
+               for x, w in zip(jax.tree.leaves(got), want))

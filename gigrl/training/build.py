@@ -177,13 +177,27 @@ class Policy:
   train_preset: str
   rollout_preset: str
   lora: Any = lora_lib.LoraSettings()
+  # whether the training layout already is the rollout's (decided on first use)
+  _rollout_layout_is_train: bool | None = dataclasses.field(default=None, repr=False)
 
   def trained(self, params: Any) -> Any:
     """The part of ``params`` the optimizer updates (the adapters with LoRA, else all)."""
     return lora_lib.split_trainable(params, self.lora.enabled)[0]
 
   def rollout_params(self, params: Any) -> Any:
-    """``params`` in the rollout layout (``model.rollout_sharding``)."""
+    """``params`` in the rollout layout (``model.rollout_sharding``): ``params`` themselves
+    when they already lie that way (one device, or the same layout for both), else a copy.
+
+    The rollout programs never donate their params, so sharing the training arrays is safe;
+    the copy (every weight, each RL step and evaluation) cost 0.27 s a step for SmolLM2 on
+    2 CPU cores, 15% of a 2 x 4-row rollout."""
+    if self._rollout_layout_is_train is None:
+      want = jax.tree.leaves(sharding_lib.param_shardings(params, self.mesh,
+                                                          self.rollout_preset))
+      self._rollout_layout_is_train = all(
+          x.sharding.is_equivalent_to(w, x.ndim) for x, w in zip(jax.tree.leaves(params), want))
+    if self._rollout_layout_is_train:
+      return params
     return sharding_lib.shard_state(params, self.mesh, self.rollout_preset)
 
   def describe(self) -> str:
