@@ -91,12 +91,14 @@ def attend_one_head_major(q: jax.Array, k: jax.Array, v: jax.Array,
   """Decode-step attention on a head-major cache slab: one query per row.
 
   Same maths as `attend` (one query token, q: [B, 1, H, Dh], mask bool[B, 1, S]) on k, v
-  laid out [B, KV, S, Dh], as the CPU decode loop holds them (`sampler._kv_ops`). Both
-  products are then canonical batched matmuls over the B*KV (row, KV head) pairs, read
-  where the cache lies: no transpose of the slab and none of `attend_one`'s KV-fold extra
-  multiply-adds. Decode attention is memory bound: at B=64, S=256, KV=3, Dh=64 (SmolLM2),
-  30 layers, 43 ms a step against 71 ms for `attend_one` on XLA:CPU (2 cores), about the
-  0.75 GB of f32 cache read at the machine's memory bandwidth.
+  laid out [B, KV, S, Dh], as the CPU decode loop holds them (`sampler._kv_ops`): the slab
+  is read where it lies, with no transpose and none of `attend_one`'s KV-fold extra
+  multiply-adds. The scores are a multiply and a reduction over Dh, not a dot: XLA:CPU's
+  batched dot for [G, Dh] x [S, Dh]^T fell off a cliff past a few hundred slots (649 ms
+  at S=640 against 43 ms at S=256), the reduction scales with S. The values' product is
+  a batched dot. Decode attention is memory bound: at B=64, KV=3, Dh=64 (SmolLM2), 30
+  layers, on XLA:CPU (2 cores), 30 ms a step at S=256 and 70 ms at S=640, against 72 and
+  151 ms for `attend_one` on the [B, S, KV, Dh] layout.
 
   Args:
     q: [B, 1, H, Dh].
@@ -108,9 +110,8 @@ def attend_one_head_major(q: jax.Array, k: jax.Array, v: jax.Array,
   b, _, h, hd = q.shape
   kv = k.shape[1]
   g = h // kv
-  qg = q.reshape(b, kv, g, hd)
-  s = jnp.einsum("bkgd,bksd->bkgs", qg, k,
-                 preferred_element_type=jnp.float32) * (1.0 / math.sqrt(hd))
+  qg = q.reshape(b, kv, g, 1, hd).astype(jnp.promote_types(q.dtype, k.dtype))
+  s = jnp.sum((qg * k[:, :, None]).astype(jnp.float32), axis=-1) * (1.0 / math.sqrt(hd))
   s = jnp.where(mask[:, :, None, :], s, _NEG)                          # [B, KV, G, S]
   p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
   o = jnp.einsum("bkgs,bksd->bkgd", p, v, preferred_element_type=jnp.float32)
