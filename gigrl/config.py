@@ -57,7 +57,7 @@ def rollout_config() -> ml_collections.ConfigDict:
   c.compact_rows = True        # observation extends and decode turns compute only the rows that need them
   c.slot_bucket = 128          # attention and cache copies read written slots only, rounded up to this; 0 = all
   c.width_bucket = 32          # prompt / observation widths rounded up to this; 0 = max_prompt / max_obs_tokens
-  c.decode_chunk = 16          # decode steps per call: rows that ended their turn leave between calls; 0 = a turn
+  c.decode_chunk = 0           # decode steps per call (0 = a whole turn): rows that ended their turn leave between calls
   return c
 
 

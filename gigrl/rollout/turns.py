@@ -37,7 +37,7 @@ class RolloutSettings:
   compact_rows: bool = True
   slot_bucket: int = 128
   width_bucket: int = 32
-  decode_chunk: int = 16
+  decode_chunk: int = 0
 
   @property
   def obs_width(self) -> int:
@@ -76,7 +76,7 @@ def settings_from_config(cfg_rollout: Any, topk_docs: int) -> RolloutSettings:
       compact_rows=bool(cfg_rollout.get("compact_rows", True)),
       slot_bucket=int(cfg_rollout.get("slot_bucket", 128)),
       width_bucket=int(cfg_rollout.get("width_bucket", 32)),
-      decode_chunk=int(cfg_rollout.get("decode_chunk", 16)))
+      decode_chunk=int(cfg_rollout.get("decode_chunk", 0)))
 
 
 # Left and right contexts in which a stop tag is encoded: a byte-level BPE (Qwen2, Llama 3)
