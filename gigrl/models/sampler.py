@@ -411,7 +411,7 @@ def _kv_ops(model, cache: KVCache):
 
   def step(kv, tok, act, logits):
     h, ks, vs, pos = model.extend_hidden_unstacked(
-        layers, kv[0], kv[1], kv[2], tok[:, None], act.astype(jnp.int32), head_major=True)
+        layers, kv[0], kv[1], kv[2], tok[:, None], act.astype(jnp.int32))
     new = model.logits(h[:, 0])
     return jnp.where(act[:, None], new, logits), (ks, vs, pos)
 

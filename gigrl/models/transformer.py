@@ -504,8 +504,7 @@ class Transformer(nnx.Module):
     return attn.attend(q, k, v, mask)
 
   def extend_hidden_unstacked(self, layer_params: list[dict], ks: tuple, vs: tuple,
-                              pos: jax.Array, tokens: jax.Array, lengths: jax.Array, *,
-                              head_major: bool = False):
+                              pos: jax.Array, tokens: jax.Array, lengths: jax.Array):
     """`extend_hidden` on per-layer weights and cache buffers (Python layer loop).
 
     The backend "cpu" decode loop: XLA:CPU copies every dynamic slice of a stacked
@@ -514,18 +513,19 @@ class Transformer(nnx.Module):
 
     Args:
       layer_params: L dicts from `self.layers.unstacked(dtype)`.
-      ks, vs: L arrays each, in the cache dtype or wider (the CPU decode loop holds a
-        bf16 cache as f32: XLA:CPU has no bf16 x bf16 -> f32 batched dot and would
-        convert every layer's cache slab every step): [B, S_max, KV, Dh] as the cache
-        lies, or head-major [B, KV, S_max, Dh] with `head_major` (the decode loop's
-        layout, where one-token attention reads the slab without transposing it:
-        `attention.attend_one_head_major`).
-      pos: i32[B]; tokens: i32[B, C]; lengths: i32[B].
-      head_major: the buffers' layout (static).
+      ks, vs: L head-major arrays [B, KV, S_max, Dh] each (the decode loop's layout, where
+        one-token attention reads the slab without transposing it:
+        `attention.attend_one_head_major`), in the cache dtype or wider (the CPU decode
+        loop holds a bf16 cache as f32: one conversion per call, not per layer and step).
+      pos: i32[B]; tokens: i32[B, 1] (one token per row); lengths: i32[B].
     Returns:
-      (hidden [B, C, D], ks, vs, new pos i32[B]); ks, vs in the layout they came in.
+      (hidden [B, 1, D], ks, vs, new pos i32[B]).
+    Raises:
+      ValueError: more than one token per row.
     """
-    s_max = ks[0].shape[2 if head_major else 1]
+    if tokens.shape[1] != 1:
+      raise ValueError(f"extend_hidden_unstacked decodes one token per row, got {tokens.shape}")
+    s_max = ks[0].shape[2]
     lengths = lengths.astype(jnp.int32)
     positions, slots, rows, mask = self._extend_setup(pos, s_max, tokens, lengths)
     x = self.embed_tokens(tokens)
@@ -535,17 +535,10 @@ class Transformer(nnx.Module):
       def attention(q, k, v, i=i):
         # k/v are rounded to the model dtype first, so a wider (f32) buffer holds
         # exactly the values a model-dtype cache would.
-        if head_major:      # buf[rows, :, slots] is [B, C, KV, Dh], as k and v are
-          idx = (rows, slice(None), slots)
-          ks[i] = write_cache(ks[i], idx, k.astype(self.dtype))
-          vs[i] = write_cache(vs[i], idx, v.astype(self.dtype))
-          if q.shape[1] == 1:
-            return attn.attend_one_head_major(q, ks[i], vs[i], mask), None
-          return attn.attend(q, ks[i].transpose(0, 2, 1, 3), vs[i].transpose(0, 2, 1, 3),
-                             mask), None
-        ks[i] = write_cache(ks[i], (rows, slots), k.astype(self.dtype))
-        vs[i] = write_cache(vs[i], (rows, slots), v.astype(self.dtype))
-        return self._slab_attention(q, ks[i], vs[i], mask), None
+        idx = (rows, slice(None), slots)       # buf[rows, :, slots] is [B, 1, KV, Dh], as k is
+        ks[i] = write_cache(ks[i], idx, k.astype(self.dtype))
+        vs[i] = write_cache(vs[i], idx, v.astype(self.dtype))
+        return attn.attend_one_head_major(q, ks[i], vs[i], mask), None
 
       x, _ = self.block(p, x, positions, attention)
     x = rms_norm(x, self.final_norm[...], self.cfg.rms_norm_eps)
