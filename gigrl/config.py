@@ -103,6 +103,9 @@ def train_config() -> ml_collections.ConfigDict:
   c.sft_eval_every = 0         # also evaluate every N SFT steps (step 0 and the end of SFT
                                # included): held-out EM during the warm-start; 0 = off
   c.eval_questions = 32
+  c.compile_cache = "auto"     # compiled programs kept on disk for later runs, resumes and
+                               # gigrl-eval (gigrl.compile_cache): 'auto' = $JAX_COMPILATION_CACHE_DIR,
+                               # else <cache>/jax (~/.cache/gigrl/jax); '' = off; or a directory
   c.eval_batch_size = 0        # held-out rollouts per call (0 = all at once; the KV cache grows
                                # with the rows: 300 rows of a 135M model in f32 take ~9 GB)
   return c
@@ -197,6 +200,9 @@ def _validate_train(cfg):
   check_range(cfg, "train.micro_batch_size", 0, integer=True)
   check_choice(cfg, "train.shuffle", (True, False))
   check_choice(cfg, "train.trim_update_padding", (True, False))
+  if not isinstance(get_field(cfg, "train.compile_cache"), str):
+    raise ConfigError("train.compile_cache", cfg.train.compile_cache,
+                      "'auto', '' (off) or a directory")
   p, g = int(get_field(cfg, "data.prompts_per_step")), int(get_field(cfg, "data.group_size"))
   mini = int(get_field(cfg, "train.ppo_mini_batch_size")) or p
   if p % mini:

@@ -123,3 +123,13 @@ def check_writable_dir(path: str, what: str) -> None:
     os.remove(probe)
   except OSError as e:
     raise UserError(f"{what} {path}: cannot write there ({e.strerror or e})") from None
+
+
+def cache_root() -> str:
+  """gigrl's cache directory (model snapshots, BM25 indexes, compiled programs):
+  ``$GIGRL_CACHE_DIR``, else ``$XDG_CACHE_HOME/gigrl``, else ``~/.cache/gigrl``."""
+  root = os.environ.get("GIGRL_CACHE_DIR")
+  if root:
+    return root
+  return os.path.join(os.environ.get("XDG_CACHE_HOME") or
+                      os.path.join(os.path.expanduser("~"), ".cache"), "gigrl")

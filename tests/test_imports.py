@@ -22,7 +22,7 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "gigrl"
 # Layers, lowest first; a module's layer is that of its longest matching prefix (the root
 # package "gigrl" matches only itself, so a new top-level module must be given a layer here).
 LAYERS = (
-    ("base", ("gigrl", "gigrl.config_utils", "gigrl.distributed", "gigrl.progress")),
+    ("base", ("gigrl", "gigrl.config_utils", "gigrl.compile_cache", "gigrl.distributed", "gigrl.progress")),
     ("data", ("gigrl.data",)),
     ("models/search", ("gigrl.models", "gigrl.search")),
     ("rollout", ("gigrl.rollout",)),

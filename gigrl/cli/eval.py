@@ -207,6 +207,7 @@ def main(argv: Sequence[str]) -> int:
 
 def _evaluate_all(args, ks, samples) -> int:
   # pylint: disable=g-import-not-at-top
+  from gigrl import compile_cache
   from gigrl import config as config_lib
   from gigrl import search as search_lib
   from gigrl.config_utils import UserError
@@ -223,6 +224,7 @@ def _evaluate_all(args, ks, samples) -> int:
   run = trained.load_policy(args.workdir, step=args.step, hf_path=args.hf_path,
                             config_file=args.config, overrides=args.set)
   cfg, policy, step = run.cfg, run.policy, run.step
+  compile_cache.enable(cfg.train.get("compile_cache", "auto"))
   _apply_search_args(cfg, args)
   if int(cfg.data.eval_percent) != eval_percent:        # the run's own split of bundled sets
     sets = resolve_datasets(args.datasets, data_dir=args.data_dir, split=args.split,

@@ -25,7 +25,7 @@ import tempfile
 import zipfile
 from typing import Any
 
-from gigrl.config_utils import ConfigError, UserError
+from gigrl.config_utils import ConfigError, UserError, cache_root
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +53,9 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 def cache_dir() -> str:
-  """`$GIGRL_CACHE_DIR`, else `~/.cache/gigrl` (shared with the BM25 index cache)."""
-  return os.environ.get("GIGRL_CACHE_DIR") or os.path.join(
-      os.path.expanduser("~"), ".cache", "gigrl")
+  """gigrl's cache directory (:func:`gigrl.config_utils.cache_root`: `$GIGRL_CACHE_DIR`, else
+  `~/.cache/gigrl`), shared with the BM25 index cache and the compilation cache."""
+  return cache_root()
 
 
 def default_dir(name: str) -> str:

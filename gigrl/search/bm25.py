@@ -31,6 +31,7 @@ from typing import Sequence
 import bm25s
 import numpy as np
 
+from gigrl.config_utils import cache_root
 from gigrl.data import qa
 from gigrl.search.base import BaseRetriever, Passage, check_topk
 
@@ -43,13 +44,9 @@ _INDEX_FORMAT = "gigrl-bm25-v1"
 
 
 def default_cache_dir() -> str:
-  """Where ``search.index_cache='auto'`` keeps indexes: ``$GIGRL_CACHE_DIR/bm25``, else
-  ``$XDG_CACHE_HOME/gigrl/bm25``, else ``~/.cache/gigrl/bm25``."""
-  root = os.environ.get("GIGRL_CACHE_DIR")
-  if not root:
-    root = os.path.join(os.environ.get("XDG_CACHE_HOME") or
-                        os.path.join(os.path.expanduser("~"), ".cache"), "gigrl")
-  return os.path.join(root, "bm25")
+  """Where ``search.index_cache='auto'`` keeps indexes: ``<cache_root>/bm25``
+  (:func:`gigrl.config_utils.cache_root`)."""
+  return os.path.join(cache_root(), "bm25")
 
 
 def resolve_cache_dir(setting: str) -> str | None:

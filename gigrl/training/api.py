@@ -11,6 +11,7 @@ from typing import Any
 
 import ml_collections
 
+from gigrl import compile_cache
 from gigrl import config as config_lib
 from gigrl import search as search_lib
 from gigrl.config_utils import check_writable_dir
@@ -69,6 +70,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> RunResult:
     CheckpointError, NonFiniteError: the run failed; the message says what to do.
   """
   check_startup(cfg, workdir)
+  compile_cache.enable(cfg.train.compile_cache)
   trainer = trainer_lib.Trainer(cfg, workdir)
   trainer.run()
   total = int(cfg.train.sft_steps) + int(cfg.train.num_steps)
