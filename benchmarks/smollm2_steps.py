@@ -33,6 +33,13 @@ It prints rollout, update, RL step and evaluation seconds side by side with thei
 each beside its floor (2·N·real tokens over the measured GEMM peak; the update's: its weight
 GEMMs, forward and backward), and writes ``--out`` (results.json).
 
+It does all of that twice (``--passes 2``), with one compilation cache (``train.compile_cache``)
+that is empty at the start: the *cold* pass compiles every program inside its runs (a new
+bucketed shape met in step 3 is compiled in step 3), the *warm* pass loads them from the cache
+the cold pass filled, as a resumed run, the next run of a sweep or a repeated ``gigrl-eval``
+does, and as a long run does once it has met its shapes. Both passes' tables are printed and
+kept; the top-level phases of ``--out`` are the warm pass's (``"pass"`` says which).
+
   python benchmarks/smollm2_steps.py --init_from runs/countries_smollm2/sft --savings \
       --out docs/results/rollout_efficiency/results.json
 
@@ -43,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -128,6 +136,9 @@ def main():
   p.add_argument("--savings", action="store_true",
                  help="RL steps and a held-out evaluation with every saving off and on")
   p.add_argument("--eval_questions", type=int, default=300)
+  p.add_argument("--passes", type=int, choices=(1, 2), default=2,
+                 help="--savings: 1 = a cold compilation cache only; 2 = then again with the "
+                 "cache the first pass filled (the figures a resumed or later run sees)")
   p.add_argument("--out", default="", help="--savings: write results.json here")
   a = p.parse_args()
   if a.savings:
@@ -212,62 +223,87 @@ def savings(a) -> None:
   extra = [f"--config.{kv}" for kv in a.set]
   # Each finished phase is kept in <out>.partial.json: a rerun of the same command skips it.
   partial = (a.out or "smollm2_steps_savings.json") + ".partial.json"
-  runs = {"off": {}, "on": {}}
+  # One compilation cache for the whole benchmark (train.compile_cache), empty at the start:
+  # the cold pass compiles every program and fills it, the warm pass loads them, as a resumed
+  # run, the next run of a sweep or a repeated gigrl-eval does.
+  cache = partial + ".jax_cache"
+  passes = ("cold", "warm")[:a.passes]
+  runs = {p_: {"off": {}, "on": {}} for p_ in passes}
   if os.path.exists(partial):
     with open(partial) as f:
-      runs = json.load(f)
-    print(f"resuming from {partial}: {[(m, sorted(r)) for m, r in runs.items()]}")
+      runs.update(json.load(f))
+    print(f"resuming from {partial}: "
+          f"{[(p_, m, sorted(r)) for p_ in runs for m, r in runs[p_].items()]}")
+  else:
+    shutil.rmtree(cache, ignore_errors=True)
 
   def keep():
     with open(partial, "w") as f:
       json.dump(runs, f, indent=1)
 
   with tempfile.TemporaryDirectory() as tmp:
-    for mode, over in (("off", list(OFF)), ("on", [])):
-      if "step_s" in runs[mode]:
-        continue
-      rows, wall, rss = train_run(os.path.join(tmp, f"rl_{mode}"), [
-          f"--config.train.init_from={a.init_from}", f"--config.train.num_steps={a.rl_steps}",
-          "--config.train.eval_questions=0", "--config.checkpoint.every_steps=1000",
-          *[f"--config.{kv}" for kv in over], *extra])
-      runs[mode] = {**phase_stats(rows, "rl", n, peak), "peak_rss_gib": rss, "wall_s": wall}
-      print(f"RL, savings {mode}: {json.dumps(runs[mode])}", flush=True)
-      keep()
-    for mode, over in (("off", list(OFF)), ("on", [])):
-      if "eval" in runs[mode]:
-        continue
-      ev = eval_run(a.init_from, over + list(a.set), a.eval_questions,
-                    os.path.join(tmp, f"eval_{mode}"))
-      runs[mode]["eval"] = ev
-      keep()
-      print(f"eval, savings {mode}: EM {ev['eval/em']:.3f}, {ev['eval/time_s']:.0f} s", flush=True)
+    for pass_ in passes:
+      for mode, over in (("off", list(OFF)), ("on", [])):
+        if "step_s" in runs[pass_][mode]:
+          continue
+        rows, wall, rss = train_run(os.path.join(tmp, f"rl_{pass_}_{mode}"), [
+            f"--config.train.init_from={a.init_from}", f"--config.train.num_steps={a.rl_steps}",
+            "--config.train.eval_questions=0", "--config.checkpoint.every_steps=1000",
+            f"--config.train.compile_cache={cache}",
+            *[f"--config.{kv}" for kv in over], *extra])
+        runs[pass_][mode] = {**phase_stats(rows, "rl", n, peak), "peak_rss_gib": rss,
+                             "wall_s": wall}
+        print(f"RL, {pass_} cache, savings {mode}: {json.dumps(runs[pass_][mode])}", flush=True)
+        keep()
+      for mode, over in (("off", list(OFF)), ("on", [])):
+        if "eval" in runs[pass_][mode]:
+          continue
+        ev = eval_run(a.init_from, over + list(a.set) + [f"train.compile_cache={cache}"],
+                      a.eval_questions, os.path.join(tmp, f"eval_{pass_}_{mode}"))
+        runs[pass_][mode]["eval"] = ev
+        keep()
+        print(f"eval, {pass_} cache, savings {mode}: EM {ev['eval/em']:.3f}, "
+              f"{ev['eval/time_s']:.0f} s ({ev.get('eval/time/rollout_compile_s', 0):.0f} s "
+              "compiling)", flush=True)
   floor_per_token = train_gemm_seconds(cfg, FLOOR_ROWS, repeats=2)[0] / FLOOR_ROWS
-  off, on = runs["off"], runs["on"]
+  tables = {p_: ratio_table(runs[p_]) for p_ in passes}
+  on = runs[passes[-1]]["on"]
   fwd = 2 * n / peak                                  # seconds per real token, forward
   floors = {"rollout_s": fwd * on.get("rollout/trajectory_tokens", 0.0),
             "update_s": floor_per_token * on["train_tokens_per_step"]}
   floors["step_s"] = floors["rollout_s"] + floors["update_s"]
   floors["eval300_s"] = fwd * on["eval"].get("eval/rollout/trajectory_tokens", 0.0)
-  table = {}
-  for k in ("rollout_s", "update_s", "step_s"):
-    table[k] = {"off": off[k], "on": on[k], "ratio": on[k] / off[k]}
-  table["eval300_s"] = {"off": off["eval"]["eval/time_s"], "on": on["eval"]["eval/time_s"],
-                        "ratio": on["eval"]["eval/time_s"] / off["eval"]["eval/time_s"]}
-  print("| phase | savings off s | savings on s | on / off | floor s |")
-  print("|---|---|---|---|---|")
-  for k, v in table.items():
-    fl = floors.get(k)
-    print(f"| {k} | {v['off']:.1f} | {v['on']:.1f} | {v['ratio']:.2f} | "
-          f"{'' if fl is None else f'{fl:.1f}'} |")
+  head = " | ".join(f"{p_} cache: off s | on s | on / off" for p_ in passes)
+  print(f"| phase | {head} | floor s |")
+  print("|---|" + "---|---|---|" * len(passes) + "---|")
+  for k in tables[passes[0]]:
+    cells = " | ".join(f"{tables[p_][k]['off']:.1f} | {tables[p_][k]['on']:.1f} | "
+                       f"{tables[p_][k]['ratio']:.2f}" for p_ in passes)
+    print(f"| {k} | {cells} | {floors[k]:.1f} |")
+  main_pass = passes[-1]
   out = {"device": device, "peak_flops": peak, "num_params": n,
          "command": "python benchmarks/smollm2_steps.py " + " ".join(sys.argv[1:]),
-         **table, "floor_s": floors, "off_overrides": list(OFF), "runs": runs,
-         "em": {"off": off["eval"]["eval/em"], "on": on["eval"]["eval/em"]}}
+         "pass": main_pass, **tables[main_pass], "passes": tables, "floor_s": floors,
+         "off_overrides": list(OFF), "runs": runs,
+         "em": {f"{p_}_{m}": runs[p_][m]["eval"]["eval/em"] for p_ in passes
+                for m in ("off", "on")}}
   print(json.dumps(out))
   if a.out:
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
       json.dump(out, f, indent=1)
+  shutil.rmtree(cache, ignore_errors=True)
+  os.remove(partial)
+
+
+def ratio_table(runs: dict) -> dict:
+  """{phase: {"off": s, "on": s, "ratio": on/off}} of one pass's off and on runs."""
+  off, on = runs["off"], runs["on"]
+  table = {k: {"off": off[k], "on": on[k], "ratio": on[k] / off[k]}
+           for k in ("rollout_s", "update_s", "step_s")}
+  table["eval300_s"] = {"off": off["eval"]["eval/time_s"], "on": on["eval"]["eval/time_s"],
+                        "ratio": on["eval"]["eval/time_s"] / off["eval"]["eval/time_s"]}
+  return table
 
 
 if __name__ == "__main__":

@@ -188,7 +188,7 @@ def evaluate(engine, params, questions: Sequence[Any], key: jax.Array | None = N
 
 # Engine metrics that add up over an evaluation's chunks (phase seconds and token counts).
 _WORK = ("time/prefill_s", "time/extend_s", "time/decode_s", "time/search_s",
-         "rollout/decode_steps", "rollout/token_rows", "rollout/real_tokens",
+         "time/rollout_compile_s", "rollout/decode_steps", "rollout/token_rows", "rollout/real_tokens",
          "rollout/trajectory_tokens")
 
 
