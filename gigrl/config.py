@@ -79,6 +79,9 @@ def train_config() -> ml_collections.ConfigDict:
   c.trim_update_padding = True  # the update's width W and LM-head positions K from the trained
                                # rows (bucketed), not the filler rows / generation budget; the
                                # same loss (gigrl.update.step.rl_update); False = the old shapes
+  c.pack_update_rows = True    # trained rows packed several to a row (segment ids, positions)
+                               # when that leaves fewer micro-batches to compute; token-summed
+                               # losses only (gigrl.update.step.packing_allowed); the same loss
   c.weight_decay = 0.01
   c.b1, c.b2 = 0.9, 0.999
   c.eps = 1e-8                 # AdamW epsilon (optax's and torch's default)
@@ -200,6 +203,7 @@ def _validate_train(cfg):
   check_range(cfg, "train.micro_batch_size", 0, integer=True)
   check_choice(cfg, "train.shuffle", (True, False))
   check_choice(cfg, "train.trim_update_padding", (True, False))
+  check_choice(cfg, "train.pack_update_rows", (True, False))
   if not isinstance(get_field(cfg, "train.compile_cache"), str):
     raise ConfigError("train.compile_cache", cfg.train.compile_cache,
                       "'auto', '' (off) or a directory")

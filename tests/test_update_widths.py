@@ -173,3 +173,78 @@ def test_the_switch_is_on_by_default_and_validated():
   with pytest.raises(ConfigError) as e:
     config_lib.validate(cfg)
   assert e.value.field == "train.trim_update_padding" and "True, False" in str(e.value)
+
+
+# ---------------------------------------------------------------- packing (train.pack_update_rows)
+
+
+def test_pack_rows_puts_whole_trajectories_first_fit_decreasing():
+  b = _batch()
+  tokens, mask, adv = batch_lib.train_batch(b, ROWS, VALID, _advantages())
+  packed = batch_lib.pack_rows(tokens, mask, adv, b.lengths[ROWS.reshape(-1)])
+  # the valid rows' lengths 35, 39, 44, 33, 51, 38 into W = 64: no two fit one row
+  assert packed.trajectories == 6 and packed.rows == 6
+  wide, wmask, wadv = (np.pad(x, ((0, 0), (0, 64))) for x in (tokens, mask, adv))
+  packed = batch_lib.pack_rows(wide, wmask, wadv, b.lengths[ROWS.reshape(-1)])   # W = 128
+  assert packed.rows == 2 and packed.trajectories == 6       # 51+44+33, 39+38+35 (FFD)
+  seen = set()
+  for r in range(wide.shape[0]):
+    for sid in range(1, int(packed.segment_ids[r].max(initial=0)) + 1):
+      cols = np.flatnonzero(packed.segment_ids[r] == sid)
+      assert (np.diff(cols) == 1).all()                      # contiguous
+      n = len(cols)
+      np.testing.assert_array_equal(packed.positions[r, cols], np.arange(n))
+      src = [i for i in range(wide.shape[0]) if b.lengths[i] == n and i not in seen
+             and (wide[i, :n] == packed.tokens[r, cols]).all()]
+      assert src, (r, sid)
+      i = src[0]
+      seen.add(i)
+      np.testing.assert_array_equal(packed.loss_mask[r, cols], wmask[i, :n])
+      np.testing.assert_array_equal(packed.token_advantages[r, cols], wadv[i, :n])
+  assert seen == {0, 1, 2, 3, 6, 7}                          # every trained row, once
+  assert packed.loss_mask[2:].sum() == 0 and packed.segment_ids[2:].sum() == 0
+  assert packed.loss_mask.sum() == wmask.sum()
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
+def test_packed_update_equals_the_unpacked_one(mode):
+  """Six trained rows (lengths 35, 39, 44, 33, 80, 38: W = 128) in micro-batches of 2 rows (3
+  micro-batches) pack into 3 rows (80+44, 39+38+35, 33: 2 micro-batches); the loss, metrics and
+  updated params are those of the unpacked update."""
+  cfg, policy = _cfg(micro_batch_size=2), _policy(0)
+  cfg.loss.loss_agg_mode = mode
+  steps = build.build_steps(cfg, policy)
+  b = _batch(gen=(5, 9, 14, 3, 60, 60, 50, 8))
+  mini, micro = build.ppo_rows(cfg)
+  copy = lambda tree: jax.tree.map(lambda x: x.copy(), tree)
+  opt = steps.init_opt(steps.rl_tx, policy.params)
+  ref = _policy(1).params
+  out = {}
+  for pack in (True, False):
+    out[pack] = update_lib.rl_update(
+        steps, copy(policy.params), copy(opt), ref, b, ROWS, VALID, _advantages(),
+        put=lambda x: build.put_rows(policy.mesh, x), mini_batch_rows=mini,
+        micro_batch_rows=micro, epochs=1, seed=0, step=1, trim_padding=True,
+        max_lm_positions=build.max_generated_tokens(cfg), pack=pack)
+  (p_on, _, m_on, _), (p_off, _, m_off, _) = out[True], out[False]
+  assert m_on["update/width"] == m_off["update/width"] == 128
+  assert (m_on["update/rows"], m_on["update/rows_computed"]) == (6, 3)
+  assert (m_off["update/rows"], m_off["update/rows_computed"]) == (6, 6)
+  for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "pg_clipfrac", "ppo_kl"):
+    np.testing.assert_allclose(m_on[k], m_off[k], rtol=1e-5, atol=1e-7, err_msg=k)
+  assert abs(m_on["kl"]) > 0 and m_on["grad_norm"] > 0
+  for a, c, w in zip(_leaves(p_on), _leaves(p_off), _leaves(policy.params)):
+    np.testing.assert_allclose(a - w, c - w, rtol=1e-4, atol=1e-8)
+
+
+def test_packing_only_where_it_pays_and_the_loss_allows():
+  cfg, policy = _cfg(micro_batch_size=2), _policy(0)
+  steps = build.build_steps(cfg, policy)
+  m = _update(cfg, policy, steps, _batch(), trim=True)[2]     # W = 64: no two rows fit one
+  assert m["update/rows_computed"] == m["update/rows"] == 6
+  assert update_lib.packing_allowed("token-mean")
+  assert update_lib.packing_allowed("seq-mean-token-sum-norm")
+  assert not update_lib.packing_allowed("seq-mean-token-mean")
+  assert not update_lib.packing_allowed("seq-mean-token-sum")
+  assert not update_lib.packing_allowed("token-mean", lora_dropout=0.1)
+  assert config_lib.base_config().train.pack_update_rows is True

@@ -333,10 +333,11 @@ class Steps:
     rl_step: ``(params, opt_state, ref_params, tokens, loss_mask, token_advantages)``: one
       on-policy update (old log-probs = current).
     init_opt: ``tx -> params -> opt_state`` on ``opt_sh``.
-    ppo_step: ``(micro_batches, on_policy=False) -> step(params, opt_state, ref_params,
-      tokens, loss_mask, token_advantages, old_logprobs)`` (one mini-batch update, gradient
-      accumulation; ``on_policy``: the step's only update, ``old_logprobs`` None;
-      :func:`gigrl.update.step.make_ppo_step`), compiled once per (count, on_policy).
+    ppo_step: ``(micro_batches, on_policy=False, packed=False) -> step(params, opt_state,
+      ref_params, tokens, loss_mask, token_advantages, old_logprobs)`` (one mini-batch update,
+      gradient accumulation; ``on_policy``: the step's only update, ``old_logprobs`` None;
+      ``packed``: two more arguments, positions and segment ids of packed rows;
+      :func:`gigrl.update.step.make_ppo_step`), compiled once per (count, on_policy, packed).
     logprob_step: ``(params, tokens, loss_mask) -> old log-probs f32[B, K]``.
   """
   sft_tx: optax.GradientTransformation
@@ -392,11 +393,11 @@ def build_steps(cfg: ml_collections.ConfigDict, policy: Policy) -> Steps:
     return in_mesh(jax.jit(tx.init, out_shardings=opt_sh), policy.mesh)(policy.trained(params))
 
   @functools.lru_cache(maxsize=None)
-  def ppo_step(micro_batches: int, on_policy: bool = False):
+  def ppo_step(micro_batches: int, on_policy: bool = False, packed: bool = False):
     return in_mesh(update_lib.make_ppo_step(
         policy.graphdef, rl_tx, micro_batches=micro_batches, on_policy=on_policy, lora=lora,
-        loss_options=loss_lib.kwargs_from_config(cfg.loss),
-        in_shardings=(policy.param_sh, opt_sh, ref_sh, None, None, None, None),
+        loss_options=loss_lib.kwargs_from_config(cfg.loss), packed=packed,
+        in_shardings=(policy.param_sh, opt_sh, ref_sh) + (None,) * (6 if packed else 4),
         out_shardings=out_sh, **rl_kw), policy.mesh)
 
   logprob_step = in_mesh(jax.jit(update_lib.logprob_fn(policy.graphdef, **rl_kw),

@@ -233,7 +233,10 @@ class Trainer:
         micro_batch_rows=micro_rows, epochs=int(cfg.train.ppo_epochs), seed=int(cfg.seed),
         step=step, shuffle=bool(cfg.train.shuffle),
         trim_padding=bool(cfg.train.trim_update_padding),
-        max_lm_positions=build.max_generated_tokens(cfg))
+        max_lm_positions=build.max_generated_tokens(cfg),
+        pack=bool(cfg.train.pack_update_rows) and update_lib.packing_allowed(
+            cfg.loss.loss_agg_mode,
+            float(cfg.model.lora.dropout) if int(cfg.model.lora.rank) else 0.0))
     self.state = self.state.replace(params=params, opt_state=opt_state)
     # 6. log
     search_m = distributed.reduce_metrics({   # this step's (the counters are cumulative)

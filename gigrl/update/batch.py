@@ -8,6 +8,7 @@ Pure functions of numpy arrays (no devices, no globals), tested on small hand-wr
   (advantages: gigrl.advantages.inputs.advantage_inputs -> the estimator -> f32[P, G, T])
   tokens, mask, tok_adv = train_batch(batch, rows, valid, adv)   [P·G, W] each
   k = lm_positions(mask, cap)                                     LM-head positions per row
+  packed = pack_rows(tokens, mask, tok_adv, lengths)              [P·G, W], fewer rows used
 
 C = candidate groups rolled out (k·P with query recycling), P = trained groups
 (``data.prompts_per_step``), G = rollouts per group, T = max steps (``rollout.max_turns + 1``),
@@ -16,6 +17,7 @@ groups are cut to it), K = LM-head positions per row (bucketed). Rollout row ``c
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -104,6 +106,78 @@ def train_batch(batch: traj_lib.TrajectoryBatch, rows: np.ndarray, valid_groups:
   tok_adv = token_advantages(adv, batch.step_ids[sel, :width])
   mask = batch.loss_mask[sel, :width] * row_valid[:, None]
   return batch.tokens[sel, :width], mask.astype(np.float32), tok_adv
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedRows:
+  """Trained rows packed several to a row (:func:`pack_rows`).
+
+  Attributes:
+    tokens: i32[B, W]; loss_mask, token_advantages: f32[B, W]: the packed rows first, then
+      empty rows (mask 0) up to the batch's B rows, so the programs keep their shapes.
+    positions: i32[B, W]: each packed trajectory's own positions, 0..len-1 (RoPE).
+    segment_ids: i32[B, W]: 1, 2, ... per trajectory in its packed row, 0 on padding;
+      attention stays within a segment.
+    rows: packed rows holding a trajectory (the rest are empty).
+    trajectories: trajectories packed (the rows with loss tokens).
+  """
+  tokens: np.ndarray
+  loss_mask: np.ndarray
+  token_advantages: np.ndarray
+  positions: np.ndarray
+  segment_ids: np.ndarray
+  rows: int
+  trajectories: int
+
+
+def pack_rows(tokens: np.ndarray, loss_mask: np.ndarray, token_advantages: np.ndarray,
+              lengths: np.ndarray) -> PackedRows:
+  """Packs the rows that carry loss tokens into as few rows of the same width W as fit.
+
+  First-fit decreasing: rows by length, longest first, each into the first packed row with
+  room (a trajectory is never split). With ``segment_ids`` and ``positions``, the training
+  forward (:meth:`gigrl.models.transformer.Transformer.hidden`) computes for each trajectory
+  what it computes for that trajectory alone in its own row: attention within the segment,
+  RoPE from 0. Losses summed over tokens (``token-mean``, ``seq-mean-token-sum-norm``) are
+  then unchanged; per-row means are not (:func:`gigrl.update.step.rl_update` packs only for
+  the former). The same idea as packed SFT in MaxText and Tunix (segment ids and positions).
+
+  Args:
+    tokens: i32[B, W]; loss_mask, token_advantages: f32[B, W] (:func:`train_batch`).
+    lengths: i32[B]: each row's tokens (prompt, generations, observations), <= W.
+  Returns:
+    :class:`PackedRows` with the same [B, W] shapes.
+  """
+  b, w = tokens.shape
+  lengths = np.minimum(np.asarray(lengths, np.int64), w)
+  trained = [i for i in range(b) if loss_mask[i, 1:].sum() > 0]
+  bins: list[list[int]] = []
+  room: list[int] = []
+  for i in sorted(trained, key=lambda r: (-int(lengths[r]), r)):
+    n = int(lengths[i])
+    j = next((k for k, left in enumerate(room) if left >= n), None)
+    if j is None:
+      bins.append([i])
+      room.append(w - n)
+    else:
+      bins[j].append(i)
+      room[j] -= n
+  out_tok = np.zeros_like(tokens)
+  out_mask = np.zeros_like(loss_mask)
+  out_adv = np.zeros_like(token_advantages)
+  pos = np.zeros((b, w), np.int32)
+  seg = np.zeros((b, w), np.int32)
+  for r, rows in enumerate(bins):
+    at = 0
+    for k, i in enumerate(rows):
+      n = int(lengths[i])
+      out_tok[r, at:at + n] = tokens[i, :n]
+      out_mask[r, at:at + n] = loss_mask[i, :n]
+      out_adv[r, at:at + n] = token_advantages[i, :n]
+      pos[r, at:at + n] = np.arange(n)
+      seg[r, at:at + n] = k + 1
+      at += n
+  return PackedRows(out_tok, out_mask, out_adv, pos, seg, len(bins), len(trained))
 
 
 def lm_positions(loss_mask: np.ndarray, cap: int, multiple: int = 32) -> int:

@@ -136,7 +136,8 @@ def compact_positions(mask: jax.Array, max_tokens: int) -> jax.Array:
 
 def masked_logprobs(params, graphdef, tokens: jax.Array, loss_mask: jax.Array, *,
                     max_tokens: int, chunk_size: int, temperature: float = 1.0,
-                    train: bool = False):
+                    train: bool = False, positions: jax.Array | None = None,
+                    segment_ids: jax.Array | None = None):
   """Log-probs and entropy of the loss-masked target tokens only.
 
   Args:
@@ -148,6 +149,9 @@ def masked_logprobs(params, graphdef, tokens: jax.Array, loss_mask: jax.Array, *
     train: the forward of a loss being differentiated: LoRA adapters apply their dropout
       (``model.lora.dropout``, key :func:`gigrl.models.lora.dropout_key` of the batch); the
       reference and old log-probs never do.
+    positions, segment_ids: optional i32[B, S] of packed rows
+      (:func:`gigrl.update.batch.pack_rows`): each trajectory's RoPE positions and segment;
+      None = one trajectory per row, positions 0..S-1.
   Returns:
     (logprobs f32[B, K], entropy f32[B, K], mask f32[B, K], positions i32[B, K]) where
     position k of row b scores ``tokens[b, positions[b, k] + 1]``.
@@ -156,7 +160,9 @@ def masked_logprobs(params, graphdef, tokens: jax.Array, loss_mask: jax.Array, *
   model = nnx.merge(graphdef, params)
   key = lora_lib.dropout_key(inputs) if train and getattr(
       model.layers, "lora_dropout", 0.0) > 0 else None
-  hidden = model.hidden(inputs, lora_dropout_key=key)
+  packed = {} if segment_ids is None else {"positions": positions[:, :-1],
+                                            "segment_ids": segment_ids[:, :-1]}
+  hidden = model.hidden(inputs, lora_dropout_key=key, **packed)
   pos = compact_positions(mask, max_tokens)
   h = jnp.take_along_axis(hidden, pos[..., None], axis=1)
   t = jnp.take_along_axis(targets, pos, axis=1)
@@ -186,7 +192,8 @@ def sft_loss(params, graphdef, tokens: jax.Array, loss_mask: jax.Array, *,
 def rl_loss(params, graphdef, ref_params, tokens: jax.Array, loss_mask: jax.Array,
             token_advantages: jax.Array, old_logprobs: jax.Array | None = None,
             denominator: jax.Array | None = None, *, max_tokens: int, chunk_size: int,
-            loss_options: dict[str, Any], temperature: float = 1.0):
+            loss_options: dict[str, Any], temperature: float = 1.0,
+            positions: jax.Array | None = None, segment_ids: jax.Array | None = None):
   """The RL actor loss: :func:`gigrl.update.loss.ppo_loss` on the policy's own tokens.
 
   With ``old_logprobs=None`` (one update per RL step, on fresh rollouts) the old log-probs
@@ -214,11 +221,13 @@ def rl_loss(params, graphdef, ref_params, tokens: jax.Array, loss_mask: jax.Arra
       the entropy are all of the tempered distribution (:func:`masked_logprobs`).
     loss_options: :func:`gigrl.update.loss.ppo_loss` keyword options (the ``loss`` config section,
       :func:`gigrl.update.loss.kwargs_from_config`).
+    positions, segment_ids: optional i32[B, S] of packed rows (:func:`masked_logprobs`).
   Returns:
     (loss f32[], metrics dict: loss, pg_loss, kl, entropy, pg_clipfrac, ppo_kl,
     pg_clipfrac_lower).
   """
-  kw = dict(max_tokens=max_tokens, chunk_size=chunk_size, temperature=temperature)
+  kw = dict(max_tokens=max_tokens, chunk_size=chunk_size, temperature=temperature,
+            positions=positions, segment_ids=segment_ids)
   logp, entropy, mask, pos = masked_logprobs(params, graphdef, tokens, loss_mask, train=True,
                                              **kw)
   if loss_options["use_kl_loss"]:
@@ -367,7 +376,7 @@ def logprob_fn(graphdef, *, max_tokens: int, chunk_size: int,
 def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: int,
                   max_tokens: int, chunk_size: int, loss_options: dict[str, Any],
                   on_policy: bool = False, temperature: float = 1.0, lora: bool = False,
-                  in_shardings=None, out_shardings=None):
+                  packed: bool = False, in_shardings=None, out_shardings=None):
   """Jitted ``step(params, opt_state, ref_params, tokens, loss_mask, token_advantages,
   old_logprobs) -> (params, opt_state, metrics)``: one optimizer update on a mini-batch, its
   gradient accumulated over ``micro_batches`` equal micro-batches (``lax.scan``).
@@ -390,39 +399,57 @@ def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: 
     lm_positions: static keyword, one program per value: K on-policy (None = min(max_tokens,
       W - 1)); otherwise K is ``old_logprobs``' and a value here only marks K as trimmed
       (:func:`_trimmed_norm`).
+
+  ``packed`` (on-policy only): the step takes two more arrays, ``positions`` and
+  ``segment_ids`` i32[R, W] (:func:`gigrl.update.batch.pack_rows`), after ``old_logprobs``;
+  K (``lm_positions``, required) may then exceed ``max_tokens``, since a packed row holds
+  several trajectories' generated tokens, while ``seq-mean-token-sum-norm`` keeps
+  ``max_tokens`` as its divisor.
+
+  Raises:
+    ValueError: ``packed`` without ``on_policy``.
   """
+  if packed and not on_policy:
+    raise ValueError("make_ppo_step: packed rows need on_policy=True (one update a step)")
   mode = loss_options["loss_agg_mode"]
   lsf = loss_options["loss_scale_factor"]
 
   def step(params, opt_state, ref_params, tokens, loss_mask, token_advantages, old_logprobs,
-           lm_positions):
+           *packing, lm_positions):
     trained, to_full = _trained_part(params, lora)
     shifted = loss_mask[:, 1:]
-    k = min(max_tokens if lm_positions is None else int(lm_positions), max_tokens,
-            shifted.shape[1]) if on_policy else old_logprobs.shape[1]
+    if packed:
+      k = min(int(lm_positions), shifted.shape[1])
+    elif on_policy:
+      k = min(max_tokens if lm_positions is None else int(lm_positions), max_tokens,
+              shifted.shape[1])
+    else:
+      k = old_logprobs.shape[1]
     compact = jnp.take_along_axis(shifted, compact_positions(shifted, k), axis=1)
     denom = loss_lib.agg_denominator(compact, mode, lsf)
     fixed = _trimmed_norm(loss_options, max_tokens, lm_positions)
     denom = denom if fixed is None else fixed
 
-    def micro_loss(params, ref_params, tokens, mask, adv, old, denom):
+    def micro_loss(params, ref_params, tokens, mask, adv, old, *pack_and_denom):
+      *pack, denom = pack_and_denom
       old = None if on_policy else old
+      seg = dict(zip(("positions", "segment_ids"), pack))
       return rl_loss(params, graphdef, ref_params, tokens, mask, adv, old, denom,
                      max_tokens=k, chunk_size=chunk_size, loss_options=loss_options,
-                     temperature=temperature)
+                     temperature=temperature, **seg)
 
     n_tok = jnp.maximum(shifted.sum(), 1.0)
     split = lambda x: x.reshape((micro_batches, x.shape[0] // micro_batches) + x.shape[1:])
     if on_policy:    # a placeholder row per micro-batch; micro_loss passes None to rl_loss
       old_logprobs = jnp.zeros((tokens.shape[0], 0), jnp.float32)
-    xs = tuple(map(split, (tokens, loss_mask, token_advantages, old_logprobs)))
+    xs = tuple(map(split, (tokens, loss_mask, token_advantages, old_logprobs, *packing)))
     grad_fn = jax.value_and_grad(lambda t, *a: micro_loss(to_full(t), *a), has_aux=True)
     shapes = jax.eval_shape(lambda: grad_fn(trained, ref_params, *(x[0] for x in xs), denom))
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (shapes[1], shapes[0][1]))
 
     def grads_and_metrics(x):
-      tok, mask, adv, old = x
-      (_, m), g = grad_fn(trained, ref_params, tok, mask, adv, old, denom)
+      tok, mask, adv, old, *pack = x
+      (_, m), g = grad_fn(trained, ref_params, tok, mask, adv, old, *pack, denom)
       w = mask[:, 1:].sum() / n_tok
       return g, {k_: (v * w if k_ in _TOKEN_MEAN_METRICS else v) for k_, v in m.items()}
 
@@ -498,7 +525,8 @@ compile_seconds = progress.compile_seconds   # (re-exported: tests and callers)
 def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
                loss_mask: np.ndarray, token_advantages: np.ndarray, *, put: Callable,
                mini_batch_rows: int, epochs: int, micro_batch_rows: int, seed: int, step: int,
-               shuffle: bool = True, lm_positions: int | None = None):
+               shuffle: bool = True, lm_positions: int | None = None,
+               packing: tuple[np.ndarray, np.ndarray] | None = None):
   """One RL step's actor update as verl runs it: old log-probs once, then epochs × mini-batches.
 
   With one mini-batch, one epoch and no micro-batching this is exactly one ``steps.rl_step``
@@ -519,6 +547,8 @@ def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
       at least every row's loss tokens), a static argument of the steps; None = the steps'
       bound (the generation budget). The old log-probs are computed at the bound and their
       first K columns kept (the same values: masked positions come first).
+    packing: (positions, segment_ids) i32[B, W] when the rows are packed
+      (:func:`gigrl.update.batch.pack_rows`); only for one micro-batched update a step.
   Returns:
     (params, opt_state, metrics): the metrics averaged over the updates (the skip counters are
     the last update's), plus ``train/updates``.
@@ -534,10 +564,14 @@ def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
     # rows with loss tokens first, so the rows of untrained groups fill whole micro-batches,
     # which the step skips (the loss is a sum over rows: the order changes only rounding)
     order = np.argsort(~(loss_mask[:, 1:].sum(axis=1) > 0), kind="stable")
-    params, opt_state, m = steps.ppo_step(b // micro, on_policy=True)(
+    extra = tuple(put(x[order]) for x in packing) if packing is not None else ()
+    params, opt_state, m = steps.ppo_step(b // micro, on_policy=True,
+                                          **({"packed": True} if packing is not None else {}))(
         params, opt_state, ref_params, put(tokens[order]), put(loss_mask[order]),
-        put(token_advantages[order]), None, **kw)
+        put(token_advantages[order]), None, *extra, **kw)
     return params, opt_state, dict(jax.device_get(m), **{"train/updates": 1})
+  if packing is not None:
+    raise ValueError("ppo_update: packed rows need one micro-batched update a step")
   chunk = min(micro, mini_batch_rows)
   old = old_logprobs(steps.logprob_step, params, tokens, loss_mask, put=put, chunk_rows=chunk)
   if lm_positions is not None:
@@ -569,11 +603,23 @@ def host_metrics(m: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
+# Loss aggregations that sum over tokens, so they do not depend on which row holds a token.
+PACKABLE_AGG_MODES = ("token-mean", "seq-mean-token-sum-norm")
+
+
+def packing_allowed(loss_agg_mode: str, lora_dropout: float = 0.0) -> bool:
+  """Whether the update's rows may be packed (:func:`rl_update`'s ``pack``) under this loss:
+  its aggregation sums over tokens (:data:`PACKABLE_AGG_MODES`; the ``seq-mean-token-sum`` and
+  ``seq-mean-token-mean`` modes average per row), and no LoRA dropout (its mask is drawn from
+  the row's tokens, :func:`gigrl.models.lora.dropout_key`)."""
+  return loss_agg_mode in PACKABLE_AGG_MODES and not lora_dropout
+
+
 def rl_update(steps: Any, params, opt_state, ref_params, batch, rows: np.ndarray,
               valid_groups: np.ndarray, advantages: np.ndarray, *, put: Callable,
               mini_batch_rows: int, micro_batch_rows: int, epochs: int, seed: int, step: int,
               shuffle: bool = True, trim_padding: bool = False,
-              max_lm_positions: int | None = None):
+              max_lm_positions: int | None = None, pack: bool = False):
   """One RL step's update on its trained groups: their token batch
   (:func:`gigrl.update.batch.train_batch`), then :func:`ppo_update`.
 
@@ -586,8 +632,15 @@ def rl_update(steps: Any, params, opt_state, ref_params, batch, rows: np.ndarray
       False: W of every selected row, K = the steps' bound.
     max_lm_positions: the steps' bound on K (``build.max_generated_tokens``); None = K is
       not trimmed.
+    pack: ``train.pack_update_rows``, allowed by the loss (:func:`packing_allowed`): the
+      trained rows are packed several to a row (:func:`gigrl.update.batch.pack_rows`) when
+      that leaves fewer micro-batches to compute (the others are skipped) in a step of one
+      micro-batched update with ``trim_padding``; K then comes from the packed rows. The loss
+      and gradients are those of the unpacked rows, to float rounding.
   Returns:
     (params, opt_state, metrics (:func:`host_metrics`, plus ``update/width`` W,
+    ``update/rows`` (the trained rows), ``update/rows_computed`` (rows the forward and
+    backward run on: fewer when packed),
     ``update/lm_positions`` K (0 if unknown) and ``time/update_compile_s``, the seconds of it
     jax spent compiling: > 0 on a step that met a new (W, K), :func:`compile_seconds`),
     seconds the update took). With no valid group the params are unchanged, nothing runs and
@@ -601,6 +654,20 @@ def rl_update(steps: Any, params, opt_state, ref_params, batch, rows: np.ndarray
     k = batch_lib.lm_positions(mask, max_lm_positions)
   shapes = {"update/width": float(w), "update/lm_positions": float(
       k or (min(max_lm_positions, w - 1) if max_lm_positions else 0))}
+  rows_trained = int((mask[:, 1:].sum(axis=1) > 0).sum())
+  micro = int(micro_batch_rows) or tokens.shape[0]
+  shapes["update/rows"] = shapes["update/rows_computed"] = float(rows_trained)
+  packing = None
+  if (pack and trim_padding and max_lm_positions and micro < tokens.shape[0]
+      and mini_batch_rows >= tokens.shape[0] and epochs == 1):
+    sel = np.asarray(rows).reshape(-1)
+    packed = batch_lib.pack_rows(tokens, mask, tok_adv, batch.lengths[sel])
+    if -(-packed.rows // micro) < -(-rows_trained // micro):   # fewer micro-batches: it pays
+      tokens, mask, tok_adv = packed.tokens, packed.loss_mask, packed.token_advantages
+      packing = (packed.positions, packed.segment_ids)
+      k = batch_lib.lm_positions(mask, w - 1)
+      shapes["update/lm_positions"] = float(k)
+      shapes["update/rows_computed"] = float(packed.rows)
   t0, c0 = time.perf_counter(), compile_seconds()
   if not np.asarray(valid_groups).any():
     m = {"loss": 0.0, "kl": 0.0, "pg_loss": 0.0, **shapes, "time/update_compile_s": 0.0}
@@ -608,6 +675,6 @@ def rl_update(steps: Any, params, opt_state, ref_params, batch, rows: np.ndarray
   params, opt_state, m = ppo_update(
       steps, params, opt_state, ref_params, tokens, mask, tok_adv, put=put,
       mini_batch_rows=mini_batch_rows, epochs=epochs, micro_batch_rows=micro_batch_rows,
-      seed=seed, step=step, shuffle=shuffle, lm_positions=k)
+      seed=seed, step=step, shuffle=shuffle, lm_positions=k, packing=packing)
   m = dict(host_metrics(m), **shapes, **{"time/update_compile_s": compile_seconds() - c0})
   return params, opt_state, m, time.perf_counter() - t0
