@@ -42,14 +42,17 @@ def _cfg(**train):
 _policy = testing.tiny_policy   # (seed) -> build.Policy
 
 
-def _batch(gen=(5, 9, 14, 3, 60, 60, 21, 8), obs=10):
+def _batch(gen=(5, 9, 14, 3, 60, 60, 21, 8), obs=10, shared_prompts=False):
   """Row r: a 20-token prompt, gen[r] // 2 generated, an observation, the rest generated (two
-  turns); filler rows 4 and 5 also carry 60 generated tokens of padding-length."""
+  turns); filler rows 4 and 5 also carry 60 generated tokens of padding-length.
+  ``shared_prompts``: the rows of a group have the same prompt (as in RL), else each its own."""
   rng = np.random.default_rng(0)
+  prompts = [rng.integers(1, 64, 20) for _ in range(P)]
   builders = []
   for r, n in enumerate(gen):
     tb = traj_lib.TrajectoryBuilder()
-    tb.add_prompt(rng.integers(1, 64, 20), anchor=f"q{r // G}")
+    own = rng.integers(1, 64, 20)
+    tb.add_prompt(prompts[r // G] if shared_prompts else own, anchor=f"q{r // G}")
     tb.add_generation(rng.integers(1, 64, n // 2), "<search> x </search>")
     tb.add_observation(rng.integers(1, 64, obs if n < 60 else 70), anchor="o")
     tb.add_generation(rng.integers(1, 64, n - n // 2), "<answer> a </answer>")
@@ -185,7 +188,8 @@ def test_pack_rows_puts_whole_trajectories_first_fit_decreasing():
   # the valid rows' lengths 35, 39, 44, 33, 51, 38 into W = 64: no two fit one row
   assert packed.trajectories == 6 and packed.rows == 6
   wide, wmask, wadv = (np.pad(x, ((0, 0), (0, 64))) for x in (tokens, mask, adv))
-  packed = batch_lib.pack_rows(wide, wmask, wadv, b.lengths[ROWS.reshape(-1)])   # W = 128
+  packed = batch_lib.pack_rows(wide, wmask, wadv, b.lengths[ROWS.reshape(-1)],
+                               multiple=128)                 # W' = 128
   assert packed.rows == 2 and packed.trajectories == 6       # 51+44+33, 39+38+35 (FFD)
   seen = set()
   for r in range(wide.shape[0]):
@@ -203,18 +207,43 @@ def test_pack_rows_puts_whole_trajectories_first_fit_decreasing():
       np.testing.assert_array_equal(packed.token_advantages[r, cols], wadv[i, :n])
   assert seen == {0, 1, 2, 3, 6, 7}                          # every trained row, once
   assert packed.loss_mask[2:].sum() == 0 and packed.segment_ids[2:].sum() == 0
-  assert packed.loss_mask.sum() == wmask.sum()
+  assert packed.loss_mask.sum() == wmask.sum() and (packed.prefix_ids == -1).all()
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
-def test_packed_update_equals_the_unpacked_one(mode):
+def test_pack_rows_writes_a_groups_prompt_once():
+  """Groups of 2 rows with one prompt (20 tokens): each unit is the prompt's first 19 tokens,
+  then each row from its last prompt token on; positions continue from the prompt's."""
+  b = _batch(gen=(5, 9, 14, 3, 60, 60, 50, 8), shared_prompts=True)   # lengths 35 39 44 33 . . 80 38
+  tokens, mask, adv = batch_lib.train_batch(b, ROWS, VALID, _advantages())
+  groups = np.repeat(np.arange(P), G)
+  packed = batch_lib.pack_rows(tokens, mask, adv, b.lengths[ROWS.reshape(-1)], groups)
+  # units 19 + 16 + 20 = 55, 19 + 25 + 14 = 58, 19 + 61 + 19 = 99: W' = 128, FFD: 99 | 58 + 55
+  assert (packed.width, packed.rows, packed.trajectories) == (128, 2, 6)
+  assert packed.loss_mask.sum() == mask.sum()
+  r, seg, pre, pos = 1, packed.segment_ids[1], packed.prefix_ids[1], packed.positions[1]
+  # row 1: group 1's prompt (segment 1), rows 2 and 3 (segments 2, 3), then group 0's
+  assert (seg[:19] == 1).all() and (pre[:19] == -1).all()
+  np.testing.assert_array_equal(packed.tokens[r, :19], tokens[2, :19])
+  np.testing.assert_array_equal(pos[19:19 + 25], np.arange(19, 44))
+  assert (seg[19:44] == 2).all() and (pre[19:44] == 1).all()
+  np.testing.assert_array_equal(packed.tokens[r, 19:44], tokens[2, 19:44])
+  np.testing.assert_array_equal(packed.loss_mask[r, 19:44], mask[2, 19:44])
+  assert (seg[44:58] == 3).all() and (pre[44:58] == 1).all() and (seg[58:77] == 4).all()
+  assert (pre[77:113] == 4).all() and (seg[113:] == 0).all()
+
+
+@pytest.mark.parametrize("mode,shared,rows", [
+    ("token-mean", False, 3), ("seq-mean-token-sum-norm", False, 3), ("token-mean", True, 2),
+    ("seq-mean-token-sum-norm", True, 2)])
+def test_packed_update_equals_the_unpacked_one(mode, shared, rows):
   """Six trained rows (lengths 35, 39, 44, 33, 80, 38: W = 128) in micro-batches of 2 rows (3
-  micro-batches) pack into 3 rows (80+44, 39+38+35, 33: 2 micro-batches); the loss, metrics and
-  updated params are those of the unpacked update."""
+  micro-batches) pack into 3 rows (80+44, 39+38+35, 33), or with each group's prompt shared
+  into 2 (test_pack_rows_writes_a_groups_prompt_once): 2 micro-batches, and 1 of them computed
+  when shared; the loss, metrics and updated params are those of the unpacked update."""
   cfg, policy = _cfg(micro_batch_size=2), _policy(0)
   cfg.loss.loss_agg_mode = mode
   steps = build.build_steps(cfg, policy)
-  b = _batch(gen=(5, 9, 14, 3, 60, 60, 50, 8))
+  b = _batch(gen=(5, 9, 14, 3, 60, 60, 50, 8), shared_prompts=shared)
   mini, micro = build.ppo_rows(cfg)
   copy = lambda tree: jax.tree.map(lambda x: x.copy(), tree)
   opt = steps.init_opt(steps.rl_tx, policy.params)
@@ -228,7 +257,7 @@ def test_packed_update_equals_the_unpacked_one(mode):
         max_lm_positions=build.max_generated_tokens(cfg), pack=pack)
   (p_on, _, m_on, _), (p_off, _, m_off, _) = out[True], out[False]
   assert m_on["update/width"] == m_off["update/width"] == 128
-  assert (m_on["update/rows"], m_on["update/rows_computed"]) == (6, 3)
+  assert (m_on["update/rows"], m_on["update/rows_computed"]) == (6, rows)
   assert (m_off["update/rows"], m_off["update/rows_computed"]) == (6, 6)
   for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "pg_clipfrac", "ppo_kl"):
     np.testing.assert_allclose(m_on[k], m_off[k], rtol=1e-5, atol=1e-7, err_msg=k)

@@ -168,6 +168,19 @@ def causal_mask(segment_ids: jax.Array | None, b: int, s: int) -> jax.Array:
   return mask
 
 
+def packed_mask(segment_ids: jax.Array, prefix_ids: jax.Array) -> jax.Array:
+  """bool[B, S, S] of packed rows (:func:`gigrl.update.batch.pack_rows`): causal, and a token
+  attends to its own segment and to its prefix segment (a group's shared prompt).
+
+  Args:
+    segment_ids: i32[B, S], 0 on padding; prefix_ids: i32[B, S], -1 where there is none.
+  """
+  s = segment_ids.shape[1]
+  same = segment_ids[:, :, None] == segment_ids[:, None, :]
+  prefix = prefix_ids[:, :, None] == segment_ids[:, None, :]
+  return jnp.tril(jnp.ones((s, s), bool))[None] & (same | prefix)
+
+
 # --------------------------------------------------------------------------- KV cache
 
 

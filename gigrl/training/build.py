@@ -336,7 +336,7 @@ class Steps:
     ppo_step: ``(micro_batches, on_policy=False, packed=False) -> step(params, opt_state,
       ref_params, tokens, loss_mask, token_advantages, old_logprobs)`` (one mini-batch update,
       gradient accumulation; ``on_policy``: the step's only update, ``old_logprobs`` None;
-      ``packed``: two more arguments, positions and segment ids of packed rows;
+      ``packed``: three more arguments, positions, segment and prefix ids of packed rows;
       :func:`gigrl.update.step.make_ppo_step`), compiled once per (count, on_policy, packed).
     logprob_step: ``(params, tokens, loss_mask) -> old log-probs f32[B, K]``.
   """
@@ -397,7 +397,7 @@ def build_steps(cfg: ml_collections.ConfigDict, policy: Policy) -> Steps:
     return in_mesh(update_lib.make_ppo_step(
         policy.graphdef, rl_tx, micro_batches=micro_batches, on_policy=on_policy, lora=lora,
         loss_options=loss_lib.kwargs_from_config(cfg.loss), packed=packed,
-        in_shardings=(policy.param_sh, opt_sh, ref_sh) + (None,) * (6 if packed else 4),
+        in_shardings=(policy.param_sh, opt_sh, ref_sh) + (None,) * (7 if packed else 4),
         out_shardings=out_sh, **rl_kw), policy.mesh)
 
   logprob_step = in_mesh(jax.jit(update_lib.logprob_fn(policy.graphdef, **rl_kw),

@@ -8,7 +8,7 @@ Pure functions of numpy arrays (no devices, no globals), tested on small hand-wr
   (advantages: gigrl.advantages.inputs.advantage_inputs -> the estimator -> f32[P, G, T])
   tokens, mask, tok_adv = train_batch(batch, rows, valid, adv)   [P·G, W] each
   k = lm_positions(mask, cap)                                     LM-head positions per row
-  packed = pack_rows(tokens, mask, tok_adv, lengths)              [P·G, W], fewer rows used
+  packed = pack_rows(tokens, mask, tok_adv, lengths, groups)      [P·G, W'], fewer rows used
 
 C = candidate groups rolled out (k·P with query recycling), P = trained groups
 (``data.prompts_per_step``), G = rollouts per group, T = max steps (``rollout.max_turns + 1``),
@@ -113,12 +113,15 @@ class PackedRows:
   """Trained rows packed several to a row (:func:`pack_rows`).
 
   Attributes:
-    tokens: i32[B, W]; loss_mask, token_advantages: f32[B, W]: the packed rows first, then
-      empty rows (mask 0) up to the batch's B rows, so the programs keep their shapes.
-    positions: i32[B, W]: each packed trajectory's own positions, 0..len-1 (RoPE).
-    segment_ids: i32[B, W]: 1, 2, ... per trajectory in its packed row, 0 on padding;
-      attention stays within a segment.
-    rows: packed rows holding a trajectory (the rest are empty).
+    tokens: i32[B, W']; loss_mask, token_advantages: f32[B, W']: the packed rows first, then
+      empty rows (mask 0) up to the batch's B rows, so a program keeps its row count.
+    positions: i32[B, W']: each token's position in its own trajectory (RoPE).
+    segment_ids: i32[B, W']: one id per trajectory and per shared prompt in its packed row
+      (1, 2, ...), 0 on padding.
+    prefix_ids: i32[B, W']: on a trajectory's tokens, the segment id of the group prompt it
+      continues (-1: none). A token attends to earlier tokens of its own segment and of its
+      prefix segment (:func:`gigrl.models.attention.packed_mask`).
+    rows: packed rows holding tokens (the rest are empty).
     trajectories: trajectories packed (the rows with loss tokens).
   """
   tokens: np.ndarray
@@ -126,58 +129,108 @@ class PackedRows:
   token_advantages: np.ndarray
   positions: np.ndarray
   segment_ids: np.ndarray
+  prefix_ids: np.ndarray
   rows: int
   trajectories: int
 
+  @property
+  def width(self) -> int:
+    return self.tokens.shape[1]
+
+
+def _shared_prompt(tokens: np.ndarray, loss_mask: np.ndarray, rows: Sequence[int]) -> int:
+  """Tokens the ``rows`` share before any of them has a loss token, less one: the last prompt
+  token stays in each trajectory, whose first generated token it predicts."""
+  first = min(int(np.argmax(loss_mask[i] > 0)) for i in rows)
+  ref = tokens[rows[0], :first]
+  n = first
+  for i in rows[1:]:
+    diff = np.flatnonzero(tokens[i, :first] != ref)
+    n = min(n, int(diff[0]) if len(diff) else first)
+  return max(0, n - 1)
+
 
 def pack_rows(tokens: np.ndarray, loss_mask: np.ndarray, token_advantages: np.ndarray,
-              lengths: np.ndarray) -> PackedRows:
-  """Packs the rows that carry loss tokens into as few rows of the same width W as fit.
+              lengths: np.ndarray, groups: np.ndarray | None = None, *,
+              max_width: int | None = None, multiple: int = 64) -> PackedRows:
+  """Packs the rows that carry loss tokens into as few rows as fit, a group's prompt once.
 
-  First-fit decreasing: rows by length, longest first, each into the first packed row with
-  room (a trajectory is never split). With ``segment_ids`` and ``positions``, the training
-  forward (:meth:`gigrl.models.transformer.Transformer.hidden`) computes for each trajectory
-  what it computes for that trajectory alone in its own row: attention within the segment,
-  RoPE from 0. Losses summed over tokens (``token-mean``, ``seq-mean-token-sum-norm``) are
-  then unchanged; per-row means are not (:func:`gigrl.update.step.rl_update` packs only for
-  the former). The same idea as packed SFT in MaxText and Tunix (segment ids and positions).
+  Units: the rows of one group (same ``groups`` id) share their prompt, which is written once,
+  followed by each row's continuation (its last prompt token, then its generations and
+  observations); a row alone is a unit by itself. Units are packed first-fit decreasing into
+  rows of width W' = the longest unit, rounded up to ``multiple`` (a unit is never split). A
+  group whose unit would be wider than ``max_width`` is packed row by row instead. With
+  ``segment_ids``, ``prefix_ids`` and ``positions``, the training forward
+  (:func:`gigrl.update.step.masked_logprobs`) computes for each trajectory what it computes
+  for that trajectory alone in its own row: attention to its own earlier tokens and its
+  prompt's, RoPE positions from 0. Losses summed over tokens (``token-mean``,
+  ``seq-mean-token-sum-norm``) are then unchanged (:func:`gigrl.update.step.rl_update` packs
+  only for those). Packing with segment ids is what MaxText and Tunix do for SFT; the shared
+  prompt is the training-side counterpart of prefix caching (vLLM, SGLang's RadixAttention).
 
   Args:
     tokens: i32[B, W]; loss_mask, token_advantages: f32[B, W] (:func:`train_batch`).
-    lengths: i32[B]: each row's tokens (prompt, generations, observations), <= W.
+    lengths: i32[B]: each row's tokens (prompt, generations, observations).
+    groups: i32[B]: the group of each row (rows of a group have the same prompt); None = no
+      prompt is shared.
+    max_width: the widest packed row allowed (default W).
   Returns:
-    :class:`PackedRows` with the same [B, W] shapes.
+    :class:`PackedRows`, [B, W'] each.
   """
   b, w = tokens.shape
   lengths = np.minimum(np.asarray(lengths, np.int64), w)
+  max_width = w if max_width is None else int(max_width)
   trained = [i for i in range(b) if loss_mask[i, 1:].sum() > 0]
-  bins: list[list[int]] = []
-  room: list[int] = []
-  for i in sorted(trained, key=lambda r: (-int(lengths[r]), r)):
-    n = int(lengths[i])
-    j = next((k for k, left in enumerate(room) if left >= n), None)
-    if j is None:
-      bins.append([i])
-      room.append(w - n)
+  units: list[tuple[int, list[int]]] = []        # (shared prompt tokens, rows)
+  by_group: dict[int, list[int]] = {}
+  for i in trained:
+    by_group.setdefault(int(groups[i]) if groups is not None else -1 - i, []).append(i)
+  for rows in by_group.values():
+    shared = _shared_prompt(tokens, loss_mask, rows) if len(rows) > 1 else 0
+    size = shared + sum(int(lengths[i]) - shared for i in rows)
+    if shared and size <= max_width:
+      units.append((shared, rows))
     else:
-      bins[j].append(i)
-      room[j] -= n
-  out_tok = np.zeros_like(tokens)
-  out_mask = np.zeros_like(loss_mask)
-  out_adv = np.zeros_like(token_advantages)
-  pos = np.zeros((b, w), np.int32)
-  seg = np.zeros((b, w), np.int32)
-  for r, rows in enumerate(bins):
-    at = 0
-    for k, i in enumerate(rows):
-      n = int(lengths[i])
-      out_tok[r, at:at + n] = tokens[i, :n]
-      out_mask[r, at:at + n] = loss_mask[i, :n]
-      out_adv[r, at:at + n] = token_advantages[i, :n]
-      pos[r, at:at + n] = np.arange(n)
-      seg[r, at:at + n] = k + 1
-      at += n
-  return PackedRows(out_tok, out_mask, out_adv, pos, seg, len(bins), len(trained))
+      units += [(0, [i]) for i in rows]
+  size = lambda u: u[0] + sum(int(lengths[i]) - u[0] for i in u[1])
+  width = max(1, bucket(max((size(u) for u in units), default=1), max(max_width, w), multiple))
+  bins: list[list[tuple[int, list[int]]]] = []
+  room: list[int] = []
+  for u in sorted(units, key=lambda u: (-size(u), u[1][0])):
+    j = next((k for k, left in enumerate(room) if left >= size(u)), None)
+    if j is None:
+      bins.append([u])
+      room.append(width - size(u))
+    else:
+      bins[j].append(u)
+      room[j] -= size(u)
+  shape = (b, width)
+  out_tok, out_mask = np.zeros(shape, tokens.dtype), np.zeros(shape, loss_mask.dtype)
+  out_adv = np.zeros(shape, token_advantages.dtype)
+  pos, seg, pre = np.zeros(shape, np.int32), np.zeros(shape, np.int32), np.full(shape, -1,
+                                                                                 np.int32)
+  for r, units_r in enumerate(bins):
+    at, sid = 0, 0
+    for shared, rows in units_r:
+      prefix = -1
+      if shared:
+        sid += 1
+        prefix = sid
+        out_tok[r, at:at + shared] = tokens[rows[0], :shared]
+        pos[r, at:at + shared] = np.arange(shared)
+        seg[r, at:at + shared] = sid
+        at += shared
+      for i in rows:
+        n = int(lengths[i]) - shared
+        sid += 1
+        out_tok[r, at:at + n] = tokens[i, shared:shared + n]
+        out_mask[r, at:at + n] = loss_mask[i, shared:shared + n]
+        out_adv[r, at:at + n] = token_advantages[i, shared:shared + n]
+        pos[r, at:at + n] = np.arange(shared, shared + n)
+        seg[r, at:at + n] = sid
+        pre[r, at:at + n] = prefix
+        at += n
+  return PackedRows(out_tok, out_mask, out_adv, pos, seg, pre, len(bins), len(trained))
 
 
 def lm_positions(loss_mask: np.ndarray, cap: int, multiple: int = 32) -> int:

@@ -20,6 +20,7 @@ from gigrl import distributed
 from gigrl import progress
 from gigrl.update import batch as batch_lib
 from gigrl.update import loss as loss_lib
+from gigrl.models import attention as attn_lib
 from gigrl.models import logprobs as logprobs_lib
 from gigrl.models import lora as lora_lib
 
@@ -136,8 +137,7 @@ def compact_positions(mask: jax.Array, max_tokens: int) -> jax.Array:
 
 def masked_logprobs(params, graphdef, tokens: jax.Array, loss_mask: jax.Array, *,
                     max_tokens: int, chunk_size: int, temperature: float = 1.0,
-                    train: bool = False, positions: jax.Array | None = None,
-                    segment_ids: jax.Array | None = None):
+                    train: bool = False, packing: tuple[jax.Array, ...] | None = None):
   """Log-probs and entropy of the loss-masked target tokens only.
 
   Args:
@@ -149,9 +149,10 @@ def masked_logprobs(params, graphdef, tokens: jax.Array, loss_mask: jax.Array, *
     train: the forward of a loss being differentiated: LoRA adapters apply their dropout
       (``model.lora.dropout``, key :func:`gigrl.models.lora.dropout_key` of the batch); the
       reference and old log-probs never do.
-    positions, segment_ids: optional i32[B, S] of packed rows
-      (:func:`gigrl.update.batch.pack_rows`): each trajectory's RoPE positions and segment;
-      None = one trajectory per row, positions 0..S-1.
+    packing: optional (positions, segment_ids, prefix_ids), i32[B, S] each, of packed rows
+      (:func:`gigrl.update.batch.pack_rows`): each token's position in its trajectory, and
+      the attention of :func:`gigrl.models.attention.packed_mask`; None = one trajectory per
+      row, positions 0..S-1, causal.
   Returns:
     (logprobs f32[B, K], entropy f32[B, K], mask f32[B, K], positions i32[B, K]) where
     position k of row b scores ``tokens[b, positions[b, k] + 1]``.
@@ -160,8 +161,10 @@ def masked_logprobs(params, graphdef, tokens: jax.Array, loss_mask: jax.Array, *
   model = nnx.merge(graphdef, params)
   key = lora_lib.dropout_key(inputs) if train and getattr(
       model.layers, "lora_dropout", 0.0) > 0 else None
-  packed = {} if segment_ids is None else {"positions": positions[:, :-1],
-                                            "segment_ids": segment_ids[:, :-1]}
+  packed = {}
+  if packing is not None:
+    positions, segment_ids, prefix_ids = (x[:, :-1] for x in packing)
+    packed = {"positions": positions, "mask": attn_lib.packed_mask(segment_ids, prefix_ids)}
   hidden = model.hidden(inputs, lora_dropout_key=key, **packed)
   pos = compact_positions(mask, max_tokens)
   h = jnp.take_along_axis(hidden, pos[..., None], axis=1)
@@ -193,7 +196,7 @@ def rl_loss(params, graphdef, ref_params, tokens: jax.Array, loss_mask: jax.Arra
             token_advantages: jax.Array, old_logprobs: jax.Array | None = None,
             denominator: jax.Array | None = None, *, max_tokens: int, chunk_size: int,
             loss_options: dict[str, Any], temperature: float = 1.0,
-            positions: jax.Array | None = None, segment_ids: jax.Array | None = None):
+            packing: tuple[jax.Array, ...] | None = None):
   """The RL actor loss: :func:`gigrl.update.loss.ppo_loss` on the policy's own tokens.
 
   With ``old_logprobs=None`` (one update per RL step, on fresh rollouts) the old log-probs
@@ -221,13 +224,14 @@ def rl_loss(params, graphdef, ref_params, tokens: jax.Array, loss_mask: jax.Arra
       the entropy are all of the tempered distribution (:func:`masked_logprobs`).
     loss_options: :func:`gigrl.update.loss.ppo_loss` keyword options (the ``loss`` config section,
       :func:`gigrl.update.loss.kwargs_from_config`).
-    positions, segment_ids: optional i32[B, S] of packed rows (:func:`masked_logprobs`).
+    packing: optional (positions, segment_ids, prefix_ids) of packed rows
+      (:func:`masked_logprobs`).
   Returns:
     (loss f32[], metrics dict: loss, pg_loss, kl, entropy, pg_clipfrac, ppo_kl,
     pg_clipfrac_lower).
   """
   kw = dict(max_tokens=max_tokens, chunk_size=chunk_size, temperature=temperature,
-            positions=positions, segment_ids=segment_ids)
+            packing=packing)
   logp, entropy, mask, pos = masked_logprobs(params, graphdef, tokens, loss_mask, train=True,
                                              **kw)
   if loss_options["use_kl_loss"]:
@@ -400,8 +404,9 @@ def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: 
       W - 1)); otherwise K is ``old_logprobs``' and a value here only marks K as trimmed
       (:func:`_trimmed_norm`).
 
-  ``packed`` (on-policy only): the step takes two more arrays, ``positions`` and
-  ``segment_ids`` i32[R, W] (:func:`gigrl.update.batch.pack_rows`), after ``old_logprobs``;
+  ``packed`` (on-policy only): the step takes three more arrays, ``positions``,
+  ``segment_ids`` and ``prefix_ids`` i32[R, W] (:func:`gigrl.update.batch.pack_rows`), after
+  ``old_logprobs``;
   K (``lm_positions``, required) may then exceed ``max_tokens``, since a packed row holds
   several trajectories' generated tokens, while ``seq-mean-token-sum-norm`` keeps
   ``max_tokens`` as its divisor.
@@ -433,10 +438,9 @@ def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: 
     def micro_loss(params, ref_params, tokens, mask, adv, old, *pack_and_denom):
       *pack, denom = pack_and_denom
       old = None if on_policy else old
-      seg = dict(zip(("positions", "segment_ids"), pack))
       return rl_loss(params, graphdef, ref_params, tokens, mask, adv, old, denom,
                      max_tokens=k, chunk_size=chunk_size, loss_options=loss_options,
-                     temperature=temperature, **seg)
+                     temperature=temperature, packing=tuple(pack) or None)
 
     n_tok = jnp.maximum(shifted.sum(), 1.0)
     split = lambda x: x.reshape((micro_batches, x.shape[0] // micro_batches) + x.shape[1:])
@@ -526,7 +530,7 @@ def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
                loss_mask: np.ndarray, token_advantages: np.ndarray, *, put: Callable,
                mini_batch_rows: int, epochs: int, micro_batch_rows: int, seed: int, step: int,
                shuffle: bool = True, lm_positions: int | None = None,
-               packing: tuple[np.ndarray, np.ndarray] | None = None):
+               packing: tuple[np.ndarray, ...] | None = None):
   """One RL step's actor update as verl runs it: old log-probs once, then epochs × mini-batches.
 
   With one mini-batch, one epoch and no micro-batching this is exactly one ``steps.rl_step``
@@ -547,7 +551,7 @@ def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
       at least every row's loss tokens), a static argument of the steps; None = the steps'
       bound (the generation budget). The old log-probs are computed at the bound and their
       first K columns kept (the same values: masked positions come first).
-    packing: (positions, segment_ids) i32[B, W] when the rows are packed
+    packing: (positions, segment_ids, prefix_ids) i32[B, W] when the rows are packed
       (:func:`gigrl.update.batch.pack_rows`); only for one micro-batched update a step.
   Returns:
     (params, opt_state, metrics): the metrics averaged over the updates (the skip counters are
@@ -633,10 +637,11 @@ def rl_update(steps: Any, params, opt_state, ref_params, batch, rows: np.ndarray
     max_lm_positions: the steps' bound on K (``build.max_generated_tokens``); None = K is
       not trimmed.
     pack: ``train.pack_update_rows``, allowed by the loss (:func:`packing_allowed`): the
-      trained rows are packed several to a row (:func:`gigrl.update.batch.pack_rows`) when
-      that leaves fewer micro-batches to compute (the others are skipped) in a step of one
-      micro-batched update with ``trim_padding``; K then comes from the packed rows. The loss
-      and gradients are those of the unpacked rows, to float rounding.
+      trained rows are packed several to a row, a group's prompt once
+      (:func:`gigrl.update.batch.pack_rows`, at most the rollout's width), when the
+      micro-batches left (the others are skipped) hold fewer token rows, in a step of one
+      micro-batched update with ``trim_padding``; W and K then come from the packed rows. The
+      loss and gradients are those of the unpacked rows, to float rounding.
   Returns:
     (params, opt_state, metrics (:func:`host_metrics`, plus ``update/width`` W,
     ``update/rows`` (the trained rows), ``update/rows_computed`` (rows the forward and
@@ -661,11 +666,15 @@ def rl_update(steps: Any, params, opt_state, ref_params, batch, rows: np.ndarray
   if (pack and trim_padding and max_lm_positions and micro < tokens.shape[0]
       and mini_batch_rows >= tokens.shape[0] and epochs == 1):
     sel = np.asarray(rows).reshape(-1)
-    packed = batch_lib.pack_rows(tokens, mask, tok_adv, batch.lengths[sel])
-    if -(-packed.rows // micro) < -(-rows_trained // micro):   # fewer micro-batches: it pays
+    groups = np.repeat(np.arange(rows.shape[0]), rows.shape[1])
+    packed = batch_lib.pack_rows(tokens, mask, tok_adv, batch.lengths[sel], groups,
+                                 max_width=batch.tokens.shape[1])
+    # it pays when the micro-batches left hold fewer token rows
+    if -(-packed.rows // micro) * packed.width < -(-rows_trained // micro) * w:
       tokens, mask, tok_adv = packed.tokens, packed.loss_mask, packed.token_advantages
-      packing = (packed.positions, packed.segment_ids)
-      k = batch_lib.lm_positions(mask, w - 1)
+      packing = (packed.positions, packed.segment_ids, packed.prefix_ids)
+      k = batch_lib.lm_positions(mask, packed.width - 1)
+      shapes["update/width"] = float(packed.width)
       shapes["update/lm_positions"] = float(k)
       shapes["update/rows_computed"] = float(packed.rows)
   t0, c0 = time.perf_counter(), compile_seconds()
