@@ -71,7 +71,7 @@ CONFIG = os.path.join(ROOT, "configs", "countries.py") + ":smollm2-135m"
 # Every saving of issue #38 off (config fields; the defaults are all on).
 OFF = ("rollout.prefill_once_per_group=false", "rollout.shared_prefix=false",
        "rollout.compact_rows=false", "rollout.slot_bucket=0", "rollout.width_bucket=0",
-       "train.trim_update_padding=false", "train.pack_update_rows=false")
+       "train.trim_update_padding=false")
 
 
 def gemm_peak_flops(n: int = 2048, repeats: int = 5) -> float:

@@ -79,9 +79,10 @@ def train_config() -> ml_collections.ConfigDict:
   c.trim_update_padding = True  # the update's width W and LM-head positions K from the trained
                                # rows (bucketed), not the filler rows / generation budget; the
                                # same loss (gigrl.update.step.rl_update); False = the old shapes
-  c.pack_update_rows = True    # trained rows packed several to a row, a group's prompt once
+  c.pack_update_rows = False   # trained rows packed several to a row, a group's prompt once
                                # (segment ids, positions), when that computes fewer token rows;
-                               # token-summed losses only (update.step.packing_allowed); same loss
+                               # token-summed losses only (update.step.packing_allowed); same loss.
+                               # Off: slower on 2 CPU cores (docs/results/update_packing/)
   c.weight_decay = 0.01
   c.b1, c.b2 = 0.9, 0.999
   c.eps = 1e-8                 # AdamW epsilon (optax's and torch's default)
