@@ -28,7 +28,8 @@ def default_dir() -> str:
 
 def resolve(setting: str) -> str | None:
   """``train.compile_cache`` as a directory: 'auto' -> ``$JAX_COMPILATION_CACHE_DIR`` if set,
-  else :func:`default_dir`; '' -> None (no cache); else the path (``~`` expanded)."""
+  else :func:`default_dir`; '' -> None (no cache); else the path (``~`` expanded; a ``gs://``
+  URL as it is, for the hosts of a pod to share)."""
   if not setting:
     return None
   if setting == "auto":
@@ -50,7 +51,8 @@ def enable(setting: str) -> str | None:
     jax.config.update("jax_enable_compilation_cache", False)
     return None
   try:
-    os.makedirs(path, exist_ok=True)
+    if "://" not in path:          # gs://... : jax opens it through etils.epath
+      os.makedirs(path, exist_ok=True)
   except OSError as e:
     raise ConfigError("train.compile_cache", setting,
                       f"'auto', '' (off) or a directory that can be created ({e.strerror})"

@@ -20,6 +20,7 @@ def test_resolve(monkeypatch, tmp_path):
   assert compile_cache.resolve("auto") == os.path.join(str(tmp_path), "jax")
   assert compile_cache.resolve("") is None
   assert compile_cache.resolve("~/x") == os.path.join(os.path.expanduser("~"), "x")
+  assert compile_cache.resolve("gs://bucket/jax") == "gs://bucket/jax"
   monkeypatch.setenv(compile_cache.ENV, "/somewhere")   # jax's own variable wins under 'auto'
   assert compile_cache.resolve("auto") == "/somewhere"
 
