@@ -71,7 +71,7 @@ def _leaves(params):
 _REF = {}
 
 
-def _update(cfg, policy, steps, batch, *, trim, valid=VALID, step=1):
+def _update(cfg, policy, steps, batch, *, trim, valid=VALID, step=1, pack=False):
   mini, micro = build.ppo_rows(cfg)
   copy = lambda tree: jax.tree.map(lambda x: x.copy(), tree)
   if id(steps) not in _REF:    # init_opt jits anew on each call: one state per steps, copied
@@ -82,7 +82,17 @@ def _update(cfg, policy, steps, batch, *, trim, valid=VALID, step=1):
       ROWS, valid, _advantages(), put=lambda x: build.put_rows(policy.mesh, x),
       mini_batch_rows=mini, micro_batch_rows=micro, epochs=int(cfg.train.ppo_epochs),
       seed=0, step=step, shuffle=True, trim_padding=trim,
-      max_lm_positions=build.max_generated_tokens(cfg))
+      max_lm_positions=build.max_generated_tokens(cfg), pack=pack)
+
+
+def _assert_same_update(on, off, params):
+  """Two rl_update results agree: loss metrics, and each parameter's change."""
+  (p_on, _, m_on, _), (p_off, _, m_off, _) = on, off
+  for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "pg_clipfrac", "ppo_kl"):
+    np.testing.assert_allclose(m_on[k], m_off[k], rtol=1e-5, atol=1e-7, err_msg=k)
+  assert abs(m_on["kl"]) > 0 and m_on["grad_norm"] > 0
+  for a, c, w in zip(_leaves(p_on), _leaves(p_off), _leaves(params)):
+    np.testing.assert_allclose(a - w, c - w, rtol=1e-4, atol=1e-8)
 
 
 def test_width_comes_from_the_valid_groups_rows_only():
@@ -126,17 +136,14 @@ def test_trimmed_update_equals_the_untrimmed_one(train, mode):
   cfg.loss.loss_agg_mode = mode
   steps = build.build_steps(cfg, policy)
   b = _batch()
-  p_on, _, m_on, _ = _update(cfg, policy, steps, b, trim=True)
-  p_off, _, m_off, _ = _update(cfg, policy, steps, b, trim=False)
+  on = _update(cfg, policy, steps, b, trim=True)
+  off = _update(cfg, policy, steps, b, trim=False)
+  m_on, m_off = on[2], off[2]
   assert (m_on["update/width"], m_on["update/lm_positions"]) == (64, 32)
   assert (m_off["update/width"], m_off["update/lm_positions"]) == (S, 80)
   assert m_on["train/updates"] == m_off["train/updates"] == update_lib.updates_per_step(
       cfg.train, P)
-  for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "pg_clipfrac", "ppo_kl"):
-    np.testing.assert_allclose(m_on[k], m_off[k], rtol=1e-5, atol=1e-7, err_msg=k)
-  assert abs(m_on["kl"]) > 0 and m_on["grad_norm"] > 0
-  for a, c, w in zip(_leaves(p_on), _leaves(p_off), _leaves(policy.params)):
-    np.testing.assert_allclose(a - w, c - w, rtol=1e-4, atol=1e-8)
+  _assert_same_update(on, off, policy.params)
 
 
 def test_a_step_that_compiles_says_so():
@@ -244,32 +251,20 @@ def test_packed_update_equals_the_unpacked_one(mode, shared, rows):
   cfg.loss.loss_agg_mode = mode
   steps = build.build_steps(cfg, policy)
   b = _batch(gen=(5, 9, 14, 3, 60, 60, 50, 8), shared_prompts=shared)
-  mini, micro = build.ppo_rows(cfg)
-  copy = lambda tree: jax.tree.map(lambda x: x.copy(), tree)
-  opt = steps.init_opt(steps.rl_tx, policy.params)
-  ref = _policy(1).params
-  out = {}
-  for pack in (True, False):
-    out[pack] = update_lib.rl_update(
-        steps, copy(policy.params), copy(opt), ref, b, ROWS, VALID, _advantages(),
-        put=lambda x: build.put_rows(policy.mesh, x), mini_batch_rows=mini,
-        micro_batch_rows=micro, epochs=1, seed=0, step=1, trim_padding=True,
-        max_lm_positions=build.max_generated_tokens(cfg), pack=pack)
-  (p_on, _, m_on, _), (p_off, _, m_off, _) = out[True], out[False]
-  assert m_on["update/width"] == m_off["update/width"] == 128
+  on = _update(cfg, policy, steps, b, trim=True, pack=True)
+  off = _update(cfg, policy, steps, b, trim=True, pack=False)
+  m_on, m_off = on[2], off[2]
+  assert m_off["update/width"] == 128
+  assert m_on["update/width"] == 128
   assert (m_on["update/rows"], m_on["update/rows_computed"]) == (6, rows)
   assert (m_off["update/rows"], m_off["update/rows_computed"]) == (6, 6)
-  for k in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "pg_clipfrac", "ppo_kl"):
-    np.testing.assert_allclose(m_on[k], m_off[k], rtol=1e-5, atol=1e-7, err_msg=k)
-  assert abs(m_on["kl"]) > 0 and m_on["grad_norm"] > 0
-  for a, c, w in zip(_leaves(p_on), _leaves(p_off), _leaves(policy.params)):
-    np.testing.assert_allclose(a - w, c - w, rtol=1e-4, atol=1e-8)
+  _assert_same_update(on, off, policy.params)
 
 
 def test_packing_only_where_it_pays_and_the_loss_allows():
   cfg, policy = _cfg(micro_batch_size=2), _policy(0)
   steps = build.build_steps(cfg, policy)
-  m = _update(cfg, policy, steps, _batch(), trim=True)[2]     # W = 64: no two rows fit one
+  m = _update(cfg, policy, steps, _batch(), trim=True, pack=True)[2]  # W = 64: no two fit
   assert m["update/rows_computed"] == m["update/rows"] == 6
   assert update_lib.packing_allowed("token-mean")
   assert update_lib.packing_allowed("seq-mean-token-sum-norm")
