@@ -266,6 +266,12 @@ def test_packing_only_where_it_pays_and_the_loss_allows():
   steps = build.build_steps(cfg, policy)
   m = _update(cfg, policy, steps, _batch(), trim=True, pack=True)[2]  # W = 64: no two fit
   assert m["update/rows_computed"] == m["update/rows"] == 6
+  # shared prompts pack into 2 rows of W' = 128, but in micro-batches of 4 rows that is one
+  # micro-batch of 128 against two of 64: no fewer token rows, so it does not pack
+  cfg4 = _cfg(micro_batch_size=4)
+  m = _update(cfg4, policy, build.build_steps(cfg4, policy), _batch(shared_prompts=True),
+              trim=True, pack=True)[2]
+  assert m["update/rows_computed"] == m["update/rows"] == 6
   assert update_lib.packing_allowed("token-mean")
   assert update_lib.packing_allowed("seq-mean-token-sum-norm")
   assert not update_lib.packing_allowed("seq-mean-token-mean")
