@@ -97,7 +97,7 @@ def run_trl(a, prompts: list[str], answers: list[list[str]]):
     args = trl.GRPOConfig(
         output_dir=tmp, per_device_train_batch_size=a.prompts * a.group,
         num_generations=a.group, max_completion_length=a.tokens, learning_rate=a.lr,
-        beta=0.0, temperature=1.0, bf16=False, fp16=False, use_cpu=True,
+        beta=0.0, temperature=1.0, bf16=False, fp16=False, use_cpu=not on_gpu(),
         max_steps=a.steps, logging_steps=1, report_to="none", save_strategy="no",
         shuffle_dataset=False, seed=0, lr_scheduler_type="constant", warmup_steps=0,
         loss_type="dapo", disable_tqdm=True)
@@ -134,6 +134,20 @@ def run_trl(a, prompts: list[str], answers: list[list[str]]):
                 "gen_tokens": n_gen, "train_tokens": n_rows,
                 "reward": rewards[i] if i < len(rewards) else float("nan")})
   return out[1:]
+
+
+def on_gpu() -> bool:
+  """Both sides on the GPU when jax runs there (``JAX_PLATFORMS=cuda``) and torch sees one."""
+  import torch  # pylint: disable=g-import-not-at-top
+  return jax.default_backend() == "gpu" and torch.cuda.is_available()
+
+
+def device_name() -> str:
+  """The machine in words: the GPU's name, or the CPU's core count."""
+  if on_gpu():
+    import torch  # pylint: disable=g-import-not-at-top
+    return f"GPU: {torch.cuda.get_device_name(0)} (both sides)"
+  return f"CPU, {os.cpu_count()} cores"
 
 
 def summarize(rows: list[dict], n_params: int, peak: float) -> dict:
@@ -179,7 +193,7 @@ def main(argv=None) -> None:
   fetch.check_hf_path(a.hf_path, "--hf_path")
   n_params = config_from_hf(a.hf_path).num_params
   peak = gemm_peak_flops()
-  print(f"machine: {os.cpu_count()} cores; jax {jax.__version__} ({jax.default_backend()}), "
+  print(f"machine: {device_name()}, {os.cpu_count()} cores; jax {jax.__version__} ({jax.default_backend()}), "
         f"torch {torch.__version__} ({torch.get_num_threads()} threads), trl {trl.__version__}; "
         f"f32 GEMM peak {peak / 1e9:.0f} GFLOP/s (XLA); N = {n_params / 1e6:.1f}M", flush=True)
   print(f"batch: {a.prompts} prompts x {a.group} samples, <= {a.tokens} completion tokens, f32, "
@@ -214,7 +228,7 @@ def main(argv=None) -> None:
         f"{res['speedup']['update_s']:.2f}x)")
   if a.json:
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-    res.update(device=f"CPU, {os.cpu_count()} cores", gigrl_over_trl_speedup=res["speedup"][
+    res.update(device=device_name(), gigrl_over_trl_speedup=res["speedup"][
         "step_s"], command="python benchmarks/vs_trl.py " + " ".join(argv or sys.argv[1:]),
                args=vars(a), peak_flops=peak, n_params=n_params)
     with open(a.json, "w") as f:
