@@ -389,6 +389,7 @@ def plot_forest(results: dict, path: str) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.ticker  # pylint: disable=g-import-not-at-top
   rows = [(n, e) for n, e in _entries(results) if e["paired_vs_grpo_recycle"]]
   fig, axes = plt.subplots(1, 3, figsize=(14, 1.2 + 0.5 * max(len(rows), 1)), sharey=True)
   for col, (_, key) in enumerate(HOPS):
@@ -402,6 +403,7 @@ def plot_forest(results: dict, path: str) -> None:
     ax.set_title({"em": "test EM", "em_1hop": "test EM, 1-hop",
                   "em_2hop": "test EM, 2-hop"}[key] + " minus grpo_recycle's")
     ax.grid(alpha=0.3, axis="x")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(6))   # no overlapping labels
   axes[0].set_yticks(range(len(rows)))
   axes[0].set_yticklabels([f"{n} (n={e['paired_vs_grpo_recycle']['n_warm_starts']})"
                            for n, e in rows])
