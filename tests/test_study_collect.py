@@ -106,3 +106,12 @@ def test_two_way_bootstrap_widens_with_warm_start_spread():
   _, ci_same = mod.two_way_bootstrap(same, np.random.default_rng(1))
   _, ci_spread = mod.two_way_bootstrap(spread, np.random.default_rng(1))
   assert ci_spread[1] - ci_spread[0] > ci_same[1] - ci_same[0]
+
+
+def test_continued_sft_generates_no_rollouts():
+  """The continued-SFT control (no RL step) is left off the curves' rollouts axis: its config
+  still holds the recipe's data section (recycling, 64 rollouts a step), but it generates none."""
+  mod = _collect()
+  data = {"prompts_per_step": 8, "group_size": 4, "pool": {"rule": "recycle", "oversample": 2}}
+  assert mod.rollouts_per_step({"data": data, "train": {"num_steps": 20}}) == 64
+  assert mod.rollouts_per_step({"data": data, "train": {"num_steps": 0}}) == 0

@@ -89,9 +89,10 @@ def run_config(run: str) -> dict:
 
 def rollouts_per_step(cfg: dict) -> int:
   """Rollouts generated per RL step: candidate prompts x group size (query recycling rolls
-  out ``oversample`` x ``prompts_per_step`` candidates; 0 for SFT)."""
+  out ``oversample`` x ``prompts_per_step`` candidates; 0 for SFT: a run with no RL step, such
+  as the continued-SFT control)."""
   d = cfg.get("data", {})
-  if not d:
+  if not d or not int(cfg.get("train", {}).get("num_steps", 1)):
     return 0
   over = d["pool"]["oversample"] if d["pool"]["rule"] != "grpo" else 1
   return int(d["prompts_per_step"] * over * d["group_size"])
