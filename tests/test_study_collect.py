@@ -115,3 +115,40 @@ def test_continued_sft_generates_no_rollouts():
   data = {"prompts_per_step": 8, "group_size": 4, "pool": {"rule": "recycle", "oversample": 2}}
   assert mod.rollouts_per_step({"data": data, "train": {"num_steps": 20}}) == 64
   assert mod.rollouts_per_step({"data": data, "train": {"num_steps": 0}}) == 0
+
+
+def test_pass_at_k_start_and_end_are_paired_per_question(tmp_path):
+  """pass_at_k_2hop: each question's unbiased pass@k from its 8 samples (Chen et al. eq. 1), at
+  the warm-start and at the end of grpo_recycle, and their paired difference."""
+  mod = _collect()
+  root = tmp_path / "runs"
+  _grid(root, q=8, seeds=(0,), gain={"grpo_recycle": 0.3})
+
+  def sampled(correct):                  # 4 2-hop questions, `correct[i]` of 8 samples right
+    return [{"id": f"q{2 * i + 1}", "hops": 2, "answers": ["x"] * 8, "f1": [0.0] * 8,
+             "em": [1.0] * c + [0.0] * (8 - c), "search_calls": [2] * 8} for i, c in
+            enumerate(correct)]
+  _write(str(root / "warm_start" / "seed_0" / "passk_start" / "samples_test_2hop.jsonl"),
+         sampled([0, 1, 4, 8]))
+  _write(str(root / "rl" / "grpo_recycle" / "seed_0" / "passk_final" / "samples_test_2hop.jsonl"),
+         sampled([1, 1, 8, 8]))
+  for d in (root / "warm_start" / "seed_0" / "passk_start",
+            root / "rl" / "grpo_recycle" / "seed_0" / "passk_final"):
+    with open(d / "results.json", "w") as f:
+      json.dump({"datasets": {"test_2hop": {"eval/pass@1": 0.0}}}, f)
+  out = tmp_path / "out"
+  os.makedirs(out)
+  assert mod.main(["--runs", str(root), "--out", str(out), "--command", "x"]) == 0
+  pk = json.load(open(out / "results.json"))["pass_at_k_2hop"]
+  assert pk["questions"] == 4 and pk["samples"] == 8
+  # pass@1 = c / 8 per question; pass@8 = 1 when any sample is right
+  assert pk["start"]["1"] == pytest.approx((0 + 1 + 4 + 8) / 32)
+  assert pk["final"]["1"] == pytest.approx((1 + 1 + 8 + 8) / 32)
+  assert pk["start"]["8"] == pytest.approx(0.75) and pk["final"]["8"] == pytest.approx(1.0)
+  # pass@4 of 1 right in 8: 1 - C(7,4)/C(8,4) = 0.5
+  assert pk["start"]["4"] == pytest.approx((0 + 0.5 + 1 - 1 / 70 + 1) / 4)
+  assert pk["diff"]["8"] == pytest.approx(0.25)
+  lo, hi = pk["ci95"]["8"]
+  assert lo <= 0.25 <= hi
+  assert "pass@k on the 4 2-hop test questions" in open(out / "results.md").read()
+  assert 0.0 <= pk["greedy_final_em_2hop"] <= 1.0

@@ -13,7 +13,11 @@ Statistics (README.md of this folder, "Statistics"):
   questions (the same question draw for every warm-start of a replicate), percentile method;
 * the paired difference from ``grpo_recycle``: per warm-start and question, this setting's EM
   minus grpo_recycle's on the same question from the same warm-start, averaged, with the same
-  two-way bootstrap; only the warm-starts both have finished enter it.
+  two-way bootstrap; only the warm-starts both have finished enter it;
+* pass@k on the 2-hop test questions (8 samples at temperature 1) at the start and the end of
+  ``grpo_recycle``: per question the unbiased pass@k (Chen et al. 2021, eq. 1; gigrl-eval's
+  ``pass_at_k``), then end minus start on the same questions from the same warm-start, with the
+  same two-way bootstrap (``pass_at_k_2hop`` in results.json).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ CONTROLS = ("sft_continued", "rft")
 ORDER = ("grpo_recycle", "grpo", "stratified", "gigpo", "hadw", "all_four", "rft",
          "sft_continued")
 HOPS = ((None, "em"), (1, "em_1hop"), (2, "em_2hop"))
+PASS_K = (1, 4, 8)
 BOOT = 4000
 SFT_STEPS = 30       # the warm-start's SFT steps: RL step r is run step 30 + r
 
@@ -96,6 +101,16 @@ def rollouts_per_step(cfg: dict) -> int:
     return 0
   over = d["pool"]["oversample"] if d["pool"]["rule"] != "grpo" else 1
   return int(d["prompts_per_step"] * over * d["group_size"])
+
+
+def passk_matrix(rows_by_seed: dict[int, dict[str, dict]], seeds: list[int], ids: list[str],
+                 k: int) -> np.ndarray:
+  """f64[S, Q]: each question's unbiased pass@k from its sampled rows' ``em_samples``."""
+  from gigrl.training.evaluate import pass_at_k  # pylint: disable=g-import-not-at-top
+  def one(r):
+    em = r["em_samples"]
+    return pass_at_k(len(em), int(sum(e > 0 for e in em)), k)
+  return np.array([[one(rows_by_seed[s][i]) for i in ids] for s in seeds], np.float64)
 
 
 # ---------------------------------------------------------------------------- bootstrap
@@ -196,6 +211,7 @@ def main(argv=None) -> int:
       rows = normalise_eval_rows(read_jsonl(files[0]))
       save(f"warm_start_seed{s}_{what}", rows)
       if what == "passk_start":
+        w["passk_rows"] = {r["id"]: r for r in rows}
         res = json.load(open(os.path.join(wdir, what, "results.json")))["datasets"]
         w[key] = {k.split("@")[1]: v for k, v in next(iter(res.values())).items()
                   if k.startswith("eval/pass@")}
@@ -224,7 +240,8 @@ def main(argv=None) -> int:
         shutil.copy(f, os.path.join(outputs, f"{name}_seed{s}_validation_rl{step:02d}.jsonl"))
       pk = glob.glob(os.path.join(rdir, "passk_final", "samples_*.jsonl"))
       if pk:
-        save(f"{name}_seed{s}_passk_final", normalise_eval_rows(read_jsonl(pk[0])))
+        run["passk_rows"] = {r["id"]: r for r in normalise_eval_rows(read_jsonl(pk[0]))}
+        save(f"{name}_seed{s}_passk_final", list(run["passk_rows"].values()))
         res = json.load(open(os.path.join(rdir, "passk_final", "results.json")))["datasets"]
         run["passk"] = {k.split("@")[1]: v for k, v in next(iter(res.values())).items()
                         if k.startswith("eval/pass@")}
@@ -255,7 +272,7 @@ def main(argv=None) -> int:
 
   results = {"validation_questions": 214, "test_questions": len(ids),
              "protocol": "docs/results/countries_smollm2_estimators/README.md",
-             "warm_starts": [{k: v for k, v in w.items() if k != "test_rows"}
+             "warm_starts": [{k: v for k, v in w.items() if k not in ("test_rows", "passk_rows")}
                              for _, w in sorted(warm.items())],
              "settings": {}, "controls": {}, "missing": [], "command": args.command}
   commits = os.path.join(args.runs, "commits.txt")
@@ -292,6 +309,26 @@ def main(argv=None) -> int:
                                               if "test_rows" in w}),
              "mechanisms": mechanisms(runs)}
     results["controls" if name in CONTROLS else "settings"][name] = entry
+  # pass@k on the 2-hop test questions, end of grpo_recycle minus its start, paired
+  pk_seeds = sorted(s for s, run in found.get(REFERENCE, {}).items()
+                    if "passk_rows" in run and "passk_rows" in warm.get(s, {}))
+  if pk_seeds:
+    start = {s: warm[s]["passk_rows"] for s in pk_seeds}
+    final = {s: found[REFERENCE][s]["passk_rows"] for s in pk_seeds}
+    pk_ids = sorted(set.intersection(*(set(start[s]) & set(final[s]) for s in pk_seeds)))
+    block = {"setting": REFERENCE, "n_warm_starts": len(pk_seeds), "questions": len(pk_ids),
+             "samples": len(next(iter(start[pk_seeds[0]].values()))["em_samples"]),
+             "start": {}, "final": {}, "diff": {}, "ci95": {}}
+    for k in PASS_K:
+      a = passk_matrix(start, pk_seeds, pk_ids, k)
+      b = passk_matrix(final, pk_seeds, pk_ids, k)
+      block["start"][str(k)], block["final"][str(k)] = float(a.mean()), float(b.mean())
+      block["diff"][str(k)], block["ci95"][str(k)] = two_way_bootstrap(b - a, rng)
+    # the earlier study's comparison, kept beside it: greedy EM after RL on the same questions
+    greedy = [ref[s][i]["em"] for s in pk_seeds for i in pk_ids if i in ref.get(s, {})]
+    if greedy:
+      block["greedy_final_em_2hop"] = float(np.mean(greedy))
+    results["pass_at_k_2hop"] = block
   tmp = os.path.join(args.out, "results.json.tmp")      # atomic: readers never see half
   with open(tmp, "w", encoding="utf-8") as f:
     json.dump(results, f, indent=1)
@@ -336,6 +373,18 @@ def write_markdown(results: dict, path: str) -> None:
                    f"{t['n_warm_starts']} | {t['em']:.3f} {_ci(t['ci95']['em'])} | "
                    f"{t['em_1hop']:.3f} | {t['em_2hop']:.3f} {_ci(t['ci95']['em_2hop'])} | "
                    f"{gain} | {pair2} | {pair} |")
+  pk = results.get("pass_at_k_2hop")
+  if pk:
+    lines += ["", f"pass@k on the {pk['questions']} 2-hop test questions ({pk['samples']} samples "
+              f"at temperature 1), start and end of {pk['setting']}, paired, "
+              f"n = {pk['n_warm_starts']} warm-start(s):", "",
+              "| k | start | end | end − start [95% CI] |", "|---|---|---|---|"]
+    for k in pk["diff"]:
+      lines.append(f"| {k} | {pk['start'][k]:.3f} | {pk['final'][k]:.3f} | "
+                   f"{pk['diff'][k]:+.3f} {_ci(pk['ci95'][k])} |")
+    if "greedy_final_em_2hop" in pk:
+      lines += ["", "Greedy EM at the end on the same questions: "
+                f"{pk['greedy_final_em_2hop']:.3f}."]
   if results["missing"]:
     lines += ["", "Not finished yet: " + ", ".join(results["missing"]) + "."]
   lines += ["", f"Command: `{results['command']}`", ""]
