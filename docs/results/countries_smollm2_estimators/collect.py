@@ -105,7 +105,9 @@ def rollouts_per_step(cfg: dict) -> int:
 
 def passk_matrix(rows_by_seed: dict[int, dict[str, dict]], seeds: list[int], ids: list[str],
                  k: int) -> np.ndarray:
-  """f64[S, Q]: each question's unbiased pass@k from its sampled rows' ``em_samples``."""
+  """f64[S, Q] (seeds x ids): each question's unbiased pass@k (Chen et al. 2021, eq. 1) from its
+  sampled row's ``em_samples`` (a sample is right when its EM > 0). Raises KeyError for a seed
+  or id with no row, ValueError (from ``pass_at_k``) when k exceeds the samples."""
   from gigrl.training.evaluate import pass_at_k  # pylint: disable=g-import-not-at-top
   def one(r):
     em = r["em_samples"]
@@ -171,6 +173,39 @@ def mechanisms(runs: dict[int, dict]) -> dict[str, float]:
     if calls:
       out[f"test_searches_{hops}hop"] = float(np.mean(calls))
   return out
+
+
+def pass_at_k_block(warm: dict[int, dict], ref_runs: dict[int, dict],
+                    ref: dict[int, dict[str, dict]], rng: np.random.Generator) -> dict:
+  """pass@k on the 2-hop test questions, end of grpo_recycle minus its start, paired.
+
+  ``warm[s]["passk_rows"]`` and ``ref_runs[s]["passk_rows"]`` map question id -> sampled row
+  (``em_samples``: the EM of each of the n samples); only warm-starts with both enter. For each k
+  of PASS_K: the mean per-question pass@k (Chen et al. 2021, eq. 1) at the start and the end, and
+  the mean of end − start with its two-way bootstrap interval (EM units). ``ref`` (greedy final
+  test rows of grpo_recycle by seed and id) gives greedy EM on the same questions. {} when no
+  warm-start has both.
+  """
+  pk_seeds = sorted(s for s, run in ref_runs.items()
+                    if "passk_rows" in run and "passk_rows" in warm.get(s, {}))
+  if not pk_seeds:
+    return {}
+  start = {s: warm[s]["passk_rows"] for s in pk_seeds}
+  final = {s: ref_runs[s]["passk_rows"] for s in pk_seeds}
+  pk_ids = sorted(set.intersection(*(set(start[s]) & set(final[s]) for s in pk_seeds)))
+  block = {"setting": REFERENCE, "n_warm_starts": len(pk_seeds), "questions": len(pk_ids),
+           "samples": len(next(iter(start[pk_seeds[0]].values()))["em_samples"]),
+           "start": {}, "final": {}, "diff": {}, "ci95": {}}
+  for k in PASS_K:
+    a = passk_matrix(start, pk_seeds, pk_ids, k)
+    b = passk_matrix(final, pk_seeds, pk_ids, k)
+    block["start"][str(k)], block["final"][str(k)] = float(a.mean()), float(b.mean())
+    block["diff"][str(k)], block["ci95"][str(k)] = two_way_bootstrap(b - a, rng)
+  # the earlier study's comparison, kept beside it: greedy EM after RL on the same questions
+  greedy = [ref[s][i]["em"] for s in pk_seeds for i in pk_ids if i in ref.get(s, {})]
+  if greedy:
+    block["greedy_final_em_2hop"] = float(np.mean(greedy))
+  return block
 
 
 # ------------------------------------------------------------------------------ main
@@ -309,25 +344,8 @@ def main(argv=None) -> int:
                                               if "test_rows" in w}),
              "mechanisms": mechanisms(runs)}
     results["controls" if name in CONTROLS else "settings"][name] = entry
-  # pass@k on the 2-hop test questions, end of grpo_recycle minus its start, paired
-  pk_seeds = sorted(s for s, run in found.get(REFERENCE, {}).items()
-                    if "passk_rows" in run and "passk_rows" in warm.get(s, {}))
-  if pk_seeds:
-    start = {s: warm[s]["passk_rows"] for s in pk_seeds}
-    final = {s: found[REFERENCE][s]["passk_rows"] for s in pk_seeds}
-    pk_ids = sorted(set.intersection(*(set(start[s]) & set(final[s]) for s in pk_seeds)))
-    block = {"setting": REFERENCE, "n_warm_starts": len(pk_seeds), "questions": len(pk_ids),
-             "samples": len(next(iter(start[pk_seeds[0]].values()))["em_samples"]),
-             "start": {}, "final": {}, "diff": {}, "ci95": {}}
-    for k in PASS_K:
-      a = passk_matrix(start, pk_seeds, pk_ids, k)
-      b = passk_matrix(final, pk_seeds, pk_ids, k)
-      block["start"][str(k)], block["final"][str(k)] = float(a.mean()), float(b.mean())
-      block["diff"][str(k)], block["ci95"][str(k)] = two_way_bootstrap(b - a, rng)
-    # the earlier study's comparison, kept beside it: greedy EM after RL on the same questions
-    greedy = [ref[s][i]["em"] for s in pk_seeds for i in pk_ids if i in ref.get(s, {})]
-    if greedy:
-      block["greedy_final_em_2hop"] = float(np.mean(greedy))
+  block = pass_at_k_block(warm, found.get(REFERENCE, {}), ref, rng)
+  if block:
     results["pass_at_k_2hop"] = block
   tmp = os.path.join(args.out, "results.json.tmp")      # atomic: readers never see half
   with open(tmp, "w", encoding="utf-8") as f:
