@@ -20,7 +20,8 @@
 # evaluations of 214 questions, a test evaluation of 469): ~12 hours in all.
 #
 # Resumable: every stage is skipped when its output exists; a killed gigrl-train resumes from
-# its latest checkpoint (every 5 steps); gigrl-sweep marks finished runs. collect.py then
+# its latest checkpoint (every 5 steps); gigrl-sweep marks finished runs. A run evaluated on test
+# keeps only its latest checkpoint (prune): the grid then needs ~55 GB of disk. collect.py then
 # rebuilds results.json, the figures and outputs/ from whatever has finished.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
@@ -70,6 +71,15 @@ start_evals() {  # the start of RL of warm-start s: test (greedy) and closed boo
   evaluate "$w" "$w/closed_book" --datasets "test=$TEST" --retriever none
 }
 
+prune() {  # prune WORKDIR EVAL: once EVAL/results.json exists, keep only the latest checkpoint
+  # (each is ~1.9 GB; at checkpoint.keep = 2 the full grid would hold ~105 GB, this ~55 GB)
+  local dir=$1 last
+  [[ -f $2/results.json && -d $dir/checkpoints ]] || return 0
+  last=$(ls "$dir/checkpoints" | grep -E '^[0-9]+$' | sort -n | tail -1)
+  [[ -n $last ]] || return 0
+  find "$dir/checkpoints" -mindepth 1 -maxdepth 1 ! -name "$last" -exec rm -rf {} +
+}
+
 passk() {  # passk WORKDIR OUTPUT: 8 samples (temperature 1) on the 2-hop test questions
   evaluate "$1" "$2" --datasets "test_2hop=$RUNS/test_2hop.jsonl" --mode sample --samples 8 \
       --k 1,4,8
@@ -81,7 +91,7 @@ for s in $SEEDS; do
   [[ -f $w/eval.json ]] || gigrl-train --config $CFG --workdir "$w" --config.seed=$s \
       --config.train.num_steps=0
 done
-for s in $SEEDS; do start_evals "$s"; done
+for s in $SEEDS; do start_evals "$s"; prune "$RUNS/warm_start/seed_$s" "$RUNS/warm_start/seed_$s/closed_book"; done
 
 # 2. Per seed: every setting, then the continued-SFT control, each evaluated on test at its end.
 for s in $SEEDS; do
@@ -92,6 +102,7 @@ for s in $SEEDS; do
         --set "train.init_from=$w" || true
     d=$RUNS/rl/$name/seed_$s
     [[ -f $d/sweep_done.json ]] && evaluate "$d" "$d/test_final" --datasets "test=$TEST"
+    prune "$d" "$d/test_final"
   done
   # Control: 20 further SFT updates from the warm-start's checkpoint (its optimizer state
   # included) at the RL learning rate, on the demonstrations of every training question (the
@@ -107,6 +118,7 @@ print(sum(json.loads(l)["split"] == "train" for l in open(sys.argv[1])))' "$DATA
         --config.train.sft_questions=$ntrain --config.train.sft_eval_every=5
   fi
   evaluate "$d" "$d/test_final" --datasets "test=$TEST"
+  prune "$d" "$d/test_final"
   # pass@1/4/8 on the 2-hop test questions at the start and the end of grpo_recycle (~15 min
   # each: after the seed's runs, so that a partial grid holds paired runs first)
   passk "$w" "$w/passk_start"
