@@ -96,6 +96,24 @@ def test_collect_schema_and_paired_statistics(tmp_path):
     assert os.path.exists(out / f), f
 
 
+def test_an_interval_does_not_move_when_another_run_lands(tmp_path):
+  """Each interval draws from its own generator: adding a setting to the grid leaves gigpo's."""
+  mod = _collect()
+
+  def gigpo(gain):
+    root = tmp_path / str(len(gain))
+    _grid(root / "runs", gain=gain)
+    os.makedirs(root / "out")
+    assert mod.main(["--runs", str(root / "runs"), "--out", str(root / "out"),
+                     "--command", "x"]) == 0
+    return json.load(open(root / "out" / "results.json"))["settings"]["gigpo"]
+
+  a = gigpo({"grpo_recycle": 0.3, "gigpo": 0.1})
+  b = gigpo({"grpo_recycle": 0.3, "grpo": 0.2, "gigpo": 0.1, "stratified": 0.2})
+  assert a["test"] == b["test"] and a["paired_vs_grpo_recycle"] == b["paired_vs_grpo_recycle"]
+  assert a["paired_vs_grpo_recycle"]["ci95"][0] < a["paired_vs_grpo_recycle"]["ci95"][1]
+
+
 def test_two_way_bootstrap_widens_with_warm_start_spread():
   mod = _collect()
   rng = np.random.default_rng(0)

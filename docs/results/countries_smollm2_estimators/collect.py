@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import sys
+import zlib
 
 import numpy as np
 
@@ -116,6 +117,13 @@ def passk_matrix(rows_by_seed: dict[int, dict[str, dict]], seeds: list[int], ids
 
 
 # ---------------------------------------------------------------------------- bootstrap
+def rng_for(*key) -> np.random.Generator:
+  """A bootstrap generator of its own for each interval, seeded by what it compares (e.g.
+  ``rng_for("paired", "gigpo", "em_2hop")``), so that an interval does not move when another
+  run is added to the grid (one shared generator would hand it other draws)."""
+  return np.random.default_rng(zlib.crc32("/".join(map(str, key)).encode()))
+
+
 def two_way_bootstrap(m: np.ndarray, rng: np.random.Generator, b: int = BOOT
                       ) -> tuple[float, list[float]]:
   """Mean of ``m`` f32[S, Q] (warm-starts x questions) and the 95% percentile interval of a
@@ -176,7 +184,7 @@ def mechanisms(runs: dict[int, dict]) -> dict[str, float]:
 
 
 def pass_at_k_block(warm: dict[int, dict], ref_runs: dict[int, dict],
-                    ref: dict[int, dict[str, dict]], rng: np.random.Generator) -> dict:
+                    ref: dict[int, dict[str, dict]]) -> dict:
   """pass@k on the 2-hop test questions, end of grpo_recycle minus its start, paired.
 
   ``warm[s]["passk_rows"]`` and ``ref_runs[s]["passk_rows"]`` map question id -> sampled row
@@ -200,7 +208,8 @@ def pass_at_k_block(warm: dict[int, dict], ref_runs: dict[int, dict],
     a = passk_matrix(start, pk_seeds, pk_ids, k)
     b = passk_matrix(final, pk_seeds, pk_ids, k)
     block["start"][str(k)], block["final"][str(k)] = float(a.mean()), float(b.mean())
-    block["diff"][str(k)], block["ci95"][str(k)] = two_way_bootstrap(b - a, rng)
+    block["diff"][str(k)], block["ci95"][str(k)] = two_way_bootstrap(
+        b - a, rng_for("pass_at_k", k))
   # the earlier study's comparison, kept beside it: greedy EM after RL on the same questions
   greedy = [ref[s][i]["em"] for s in pk_seeds for i in pk_ids if i in ref.get(s, {})]
   if greedy:
@@ -215,7 +224,6 @@ def main(argv=None) -> int:
   p.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
   p.add_argument("--command", default="bash docs/results/countries_smollm2_estimators/run.sh")
   args = p.parse_args(argv)
-  rng = np.random.default_rng(0)
   outputs = os.path.join(args.out, "outputs")
   os.makedirs(outputs, exist_ok=True)
   settings_sh = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "run.sh")).read()
@@ -286,22 +294,23 @@ def main(argv=None) -> int:
   hop_of = {i: warm[min(warm)]["test_rows"][i]["hops"] for i in ids} if ids else {}
   cols = {key: [i for i in ids if h is None or hop_of[i] == h] for h, key in HOPS}
 
-  def test_block(finals: dict[int, dict[str, dict]]) -> dict:
+  def test_block(finals: dict[int, dict[str, dict]], label: str) -> dict:
     seeds = sorted(finals)
     out = {"n_warm_starts": len(seeds), "ci95": {}}
     for _, key in HOPS:
       m = em_matrix(finals, seeds, cols[key])
-      out[key], out["ci95"][key] = two_way_bootstrap(m, rng)
+      out[key], out["ci95"][key] = two_way_bootstrap(m, rng_for("test", label, key))
     return out
 
-  def paired(finals: dict[int, dict[str, dict]], ref: dict[int, dict[str, dict]]) -> dict:
+  def paired(finals: dict[int, dict[str, dict]], ref: dict[int, dict[str, dict]],
+             label: str) -> dict:
     seeds = sorted(set(finals) & set(ref))
     if not seeds:
       return {}
     out = {"n_warm_starts": len(seeds)}
     for _, key in HOPS:
       d = em_matrix(finals, seeds, cols[key]) - em_matrix(ref, seeds, cols[key])
-      mean, ci = two_way_bootstrap(d, rng)
+      mean, ci = two_way_bootstrap(d, rng_for("paired", label, key))
       out[key], out["ci95" if key == "em_2hop" else f"ci95_{key}"] = mean, ci
     return out
 
@@ -314,7 +323,7 @@ def main(argv=None) -> int:
   if os.path.exists(commits):          # the code each (re)start of run.sh ran
     results["commits"] = sorted(set(open(commits).read().split()))
   if ids:
-    results["warm_starts_test"] = test_block({s: w["test_rows"] for s, w in warm.items()})
+    results["warm_starts_test"] = test_block({s: w["test_rows"] for s, w in warm.items()}, "warm_starts")
     results["closed_book_test"] = {k: float(np.mean([w["closed_book"][k] for w in warm.values()
                                                       if "closed_book" in w]))
                                    for _, k in HOPS if any("closed_book" in w for w in warm.values())}
@@ -337,14 +346,14 @@ def main(argv=None) -> int:
                         "rollouts_per_step": run["rollouts_per_step"],
                         **({"pass_at_k_2hop_final": run["passk"]} if "passk" in run else {})}
                        for s, run in sorted(runs.items())],
-             "test": test_block(finals),
-             "paired_vs_grpo_recycle": (paired(finals, ref) if name != REFERENCE else {}),
+             "test": test_block(finals, name),
+             "paired_vs_grpo_recycle": (paired(finals, ref, name) if name != REFERENCE else {}),
              # final minus start on the same questions from the same warm-start
              "gain_vs_start": paired(finals, {s: w["test_rows"] for s, w in warm.items()
-                                              if "test_rows" in w}),
+                                              if "test_rows" in w}, name + "/gain"),
              "mechanisms": mechanisms(runs)}
     results["controls" if name in CONTROLS else "settings"][name] = entry
-  block = pass_at_k_block(warm, found.get(REFERENCE, {}), ref, rng)
+  block = pass_at_k_block(warm, found.get(REFERENCE, {}), ref)
   if block:
     results["pass_at_k_2hop"] = block
   tmp = os.path.join(args.out, "results.json.tmp")      # atomic: readers never see half
