@@ -323,7 +323,8 @@ def main(argv=None) -> int:
   if os.path.exists(commits):          # the code each (re)start of run.sh ran
     results["commits"] = sorted(set(open(commits).read().split()))
   if ids:
-    results["warm_starts_test"] = test_block({s: w["test_rows"] for s, w in warm.items()}, "warm_starts")
+    results["warm_starts_test"] = test_block({s: w["test_rows"] for s, w in warm.items()},
+                                             "warm_starts")
     results["closed_book_test"] = {k: float(np.mean([w["closed_book"][k] for w in warm.values()
                                                       if "closed_book" in w]))
                                    for _, k in HOPS if any("closed_book" in w for w in warm.values())}
