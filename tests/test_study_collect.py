@@ -126,6 +126,33 @@ def test_two_way_bootstrap_widens_with_warm_start_spread():
   assert ci_spread[1] - ci_spread[0] > ci_same[1] - ci_same[0]
 
 
+def test_family_wise_interval_is_the_bonferroni_percentile_interval(tmp_path):
+  """ci_family_*: the 1 - 0.05/FAMILY percentile interval of the same two-way bootstrap. It
+  holds the 95% interval and, on a known matrix, matches the percentiles of that level."""
+  mod = _collect()
+  rng = np.random.default_rng(0)
+  d = (rng.random((3, 300)) < 0.5).astype(float) - (rng.random((3, 300)) < 0.45)
+  _, ci95 = mod.two_way_bootstrap(d, np.random.default_rng(1), 40000)
+  _, fam = mod.two_way_bootstrap(d, np.random.default_rng(1), 40000, 0.05 / mod.FAMILY)
+  assert fam[0] < ci95[0] < ci95[1] < fam[1]
+  s, q = d.shape
+  r = np.random.default_rng(1)
+  ws = r.multinomial(s, np.full(s, 1 / s), size=40000)
+  wq = r.multinomial(q, np.full(q, 1 / q), size=40000)
+  reps = (ws @ d * wq).sum(1) / (s * q)
+  a = 0.05 / mod.FAMILY
+  assert np.allclose(fam, np.quantile(reps, [a / 2, 1 - a / 2]))
+  _grid(tmp_path / "runs", gain={"grpo_recycle": 0.3, "gigpo": 0.1})
+  os.makedirs(tmp_path / "out")
+  assert mod.main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
+                   "--command", "x"]) == 0
+  pr = json.load(open(tmp_path / "out" / "results.json"))["settings"]["gigpo"][
+      "paired_vs_grpo_recycle"]
+  for key, ci in (("em", "ci95_em"), ("em_2hop", "ci95")):
+    assert pr[f"ci_family_{key}"][0] <= pr[ci][0] and pr[ci][1] <= pr[f"ci_family_{key}"][1]
+  assert "Bonferroni" in open(tmp_path / "out" / "results.md").read()
+
+
 def test_continued_sft_generates_no_rollouts():
   """The continued-SFT control (no RL step) is left off the curves' rollouts axis: its config
   still holds the recipe's data section (recycling, 64 rollouts a step), but it generates none."""

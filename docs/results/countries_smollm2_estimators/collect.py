@@ -17,7 +17,12 @@ Statistics (README.md of this folder, "Statistics"):
 * pass@k on the 2-hop test questions (8 samples at temperature 1) at the start and the end of
   ``grpo_recycle``: per question the unbiased pass@k (Chen et al. 2021, eq. 1; gigrl-eval's
   ``pass_at_k``), then end minus start on the same questions from the same warm-start, with the
-  same two-way bootstrap (``pass_at_k_2hop`` in results.json).
+  same two-way bootstrap (``pass_at_k_2hop`` in results.json);
+* a family-wise interval for each paired difference from ``grpo_recycle`` (``ci_family_em``,
+  ``ci_family_em_2hop``): Bonferroni over the FAMILY = 14 intervals the study reads a verdict
+  from (7 comparisons x {EM, 2-hop EM}), i.e. the 1 - 0.05/14 percentile interval of the same
+  two-way bootstrap, from BOOT_FAMILY replicates so that each tail holds ~70 of them. Added
+  after the grid's first results, as a check that a verdict survives multiplicity.
 """
 from __future__ import annotations
 
@@ -39,6 +44,8 @@ ORDER = ("grpo_recycle", "grpo", "stratified", "gigpo", "hadw", "all_four", "rft
 HOPS = ((None, "em"), (1, "em_1hop"), (2, "em_2hop"))
 PASS_K = (1, 4, 8)
 BOOT = 4000
+FAMILY = 14          # paired intervals read for a verdict: 7 comparisons x {EM, 2-hop EM}
+BOOT_FAMILY = 40000  # replicates of a family-wise interval (each tail: 40000 * 0.05/28 ~ 71)
 SFT_STEPS = 30       # the warm-start's SFT steps: RL step r is run step 30 + r
 
 
@@ -124,15 +131,16 @@ def rng_for(*key) -> np.random.Generator:
   return np.random.default_rng(zlib.crc32("/".join(map(str, key)).encode()))
 
 
-def two_way_bootstrap(m: np.ndarray, rng: np.random.Generator, b: int = BOOT
-                      ) -> tuple[float, list[float]]:
-  """Mean of ``m`` f32[S, Q] (warm-starts x questions) and the 95% percentile interval of a
-  bootstrap resampling warm-starts and questions independently (multinomial weights)."""
+def two_way_bootstrap(m: np.ndarray, rng: np.random.Generator, b: int = BOOT,
+                      alpha: float = 0.05) -> tuple[float, list[float]]:
+  """Mean of ``m`` f64[S, Q] (warm-starts x questions) and the 1 - ``alpha`` percentile
+  interval of a bootstrap resampling warm-starts and questions independently (multinomial
+  weights), from ``b`` replicates."""
   s, q = m.shape
   ws = rng.multinomial(s, np.full(s, 1 / s), size=b).astype(np.float64)
   wq = rng.multinomial(q, np.full(q, 1 / q), size=b).astype(np.float64)
   reps = np.einsum("bs,sq,bq->b", ws, m, wq) / (s * q)
-  lo, hi = np.percentile(reps, [2.5, 97.5])
+  lo, hi = np.percentile(reps, [50 * alpha, 100 - 50 * alpha])
   return float(m.mean()), [float(lo), float(hi)]
 
 
@@ -303,7 +311,7 @@ def main(argv=None) -> int:
     return out
 
   def paired(finals: dict[int, dict[str, dict]], ref: dict[int, dict[str, dict]],
-             label: str) -> dict:
+             label: str, family: bool = False) -> dict:
     seeds = sorted(set(finals) & set(ref))
     if not seeds:
       return {}
@@ -312,6 +320,9 @@ def main(argv=None) -> int:
       d = em_matrix(finals, seeds, cols[key]) - em_matrix(ref, seeds, cols[key])
       mean, ci = two_way_bootstrap(d, rng_for("paired", label, key))
       out[key], out["ci95" if key == "em_2hop" else f"ci95_{key}"] = mean, ci
+      if family and key != "em_1hop":
+        out[f"ci_family_{key}"] = two_way_bootstrap(
+            d, rng_for("family", label, key), BOOT_FAMILY, 0.05 / FAMILY)[1]
     return out
 
   results = {"validation_questions": 214, "test_questions": len(ids),
@@ -348,7 +359,8 @@ def main(argv=None) -> int:
                         **({"pass_at_k_2hop_final": run["passk"]} if "passk" in run else {})}
                        for s, run in sorted(runs.items())],
              "test": test_block(finals, name),
-             "paired_vs_grpo_recycle": (paired(finals, ref, name) if name != REFERENCE else {}),
+             "paired_vs_grpo_recycle": (paired(finals, ref, name, family=True)
+                                        if name != REFERENCE else {}),
              # final minus start on the same questions from the same warm-start
              "gain_vs_start": paired(finals, {s: w["test_rows"] for s, w in warm.items()
                                               if "test_rows" in w}, name + "/gain"),
@@ -388,19 +400,22 @@ def write_markdown(results: dict, path: str) -> None:
               f"2-hop {cb.get('em_2hop', float('nan')):.3f}.", ""]
   lines += ["| setting | warm-starts | EM [95% CI] | 1-hop | 2-hop [95% CI] | gain over the "
             "start, EM [95% CI] | paired 2-hop vs grpo_recycle [95% CI] | paired EM vs "
-            "grpo_recycle |",
-            "|---|---|---|---|---|---|---|---|"]
+            "grpo_recycle | family-wise interval: paired EM, paired 2-hop (Bonferroni, "
+            f"{FAMILY} intervals) |",
+            "|---|---|---|---|---|---|---|---|---|"]
   for part in ("settings", "controls"):
     for name, e in results[part].items():
       t, pr = e["test"], e["paired_vs_grpo_recycle"]
       pair2 = f"{pr['em_2hop']:+.3f} {_ci(pr['ci95'])}" if pr else "(reference)"
       pair = f"{pr['em']:+.3f} {_ci(pr['ci95_em'])}" if pr else ""
+      fam = (f"{_ci(pr['ci_family_em'])}, {_ci(pr['ci_family_em_2hop'])}"
+             if pr and "ci_family_em" in pr else "")
       gain = e.get("gain_vs_start") or {}
       gain = f"{gain['em']:+.3f} {_ci(gain['ci95_em'])}" if gain else ""
       lines.append(f"| {name}{' (control)' if part == 'controls' else ''} | "
                    f"{t['n_warm_starts']} | {t['em']:.3f} {_ci(t['ci95']['em'])} | "
                    f"{t['em_1hop']:.3f} | {t['em_2hop']:.3f} {_ci(t['ci95']['em_2hop'])} | "
-                   f"{gain} | {pair2} | {pair} |")
+                   f"{gain} | {pair2} | {pair} | {fam} |")
   pk = results.get("pass_at_k_2hop")
   if pk:
     lines += ["", f"pass@k on the {pk['questions']} 2-hop test questions ({pk['samples']} samples "
