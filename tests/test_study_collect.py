@@ -96,6 +96,26 @@ def test_collect_schema_and_paired_statistics(tmp_path):
     assert os.path.exists(out / f), f
 
 
+def test_results_md_tables_per_warm_start_and_mechanisms(tmp_path):
+  """results.md: each run's final test EM (2-hop) by warm-start, and the mechanisms table with
+  validation EM at RL steps 15 and 20 ("–" where a run has no evaluation at that step)."""
+  mod = _collect()
+  _grid(tmp_path / "runs")
+  out = tmp_path / "out"
+  os.makedirs(out)
+  assert mod.main(["--runs", str(tmp_path / "runs"), "--out", str(out), "--command", "x"]) == 0
+  res = json.load(open(out / "results.json"))
+  md = open(out / "results.md").read().splitlines()
+  f = {r["seed"]: r["final"] for r in res["settings"]["gigpo"]["seeds"]}
+  want = (f"| gigpo | {f[0]['em']:.3f} ({f[0]['em_2hop']:.3f}) | "
+          f"{f[1]['em']:.3f} ({f[1]['em_2hop']:.3f}) |")
+  assert want in md
+  w = res["warm_starts"][0]["test_start"]
+  assert any(l.startswith(f"| start | {w['em']:.3f} ({w['em_2hop']:.3f}) |") for l in md)
+  row = next(l for l in md if l.startswith("| grpo | 0.50 | 0.75 (0.75) |"))
+  assert row.endswith("| – → 0.500 |")
+
+
 def test_an_interval_does_not_move_when_another_run_lands(tmp_path):
   """Each interval draws from its own generator: adding a setting to the grid leaves gigpo's."""
   mod = _collect()

@@ -428,11 +428,63 @@ def write_markdown(results: dict, path: str) -> None:
     if "greedy_final_em_2hop" in pk:
       lines += ["", "Greedy EM at the end on the same questions: "
                 f"{pk['greedy_final_em_2hop']:.3f}."]
+  lines += per_warm_start_lines(results) + mechanism_lines(results)
   if results["missing"]:
     lines += ["", "Not finished yet: " + ", ".join(results["missing"]) + "."]
   lines += ["", f"Command: `{results['command']}`", ""]
   with open(path, "w", encoding="utf-8") as f:
     f.write("\n".join(lines))
+
+
+def per_warm_start_lines(results: dict) -> list[str]:
+  """Markdown: each setting's final test EM (2-hop) from each warm-start, beside the start."""
+  seeds = [w["seed"] for w in results["warm_starts"]]
+  if not seeds or not (results["settings"] or results["controls"]):
+    return []
+
+  def cell(x):
+    return f"{x['em']:.3f} ({x['em_2hop']:.3f})" if x else "–"
+  lines = ["", "Test EM (2-hop EM) of each run, by warm-start:", "",
+           "| setting | " + " | ".join(f"warm-start {s}" for s in seeds) + " |",
+           "|---|" + "---|" * len(seeds),
+           "| start | " + " | ".join(cell(w.get("test_start")) for w in results["warm_starts"])
+           + " |"]
+  for name, e in _entries(results):
+    final = {r["seed"]: r["final"] for r in e["seeds"]}
+    lines.append(f"| {name} | " + " | ".join(cell(final.get(s)) for s in seeds) + " |")
+  return lines
+
+
+def mechanism_lines(results: dict) -> list[str]:
+  """Markdown: the logged mechanisms (means over RL steps and warm-starts; late = the last 5
+  steps), test searches per question, and validation EM at RL steps 15 and 20 (mean over
+  warm-starts), which says whether 20 steps sit on a plateau."""
+  if not (results["settings"] or results["controls"]):
+    return []
+
+  def f(m, key, d=2):
+    v = m.get(key)
+    return f"{v:.{d}f}" if isinstance(v, (int, float)) and np.isfinite(v) else "–"
+
+  def val(e, step):
+    v = [p["em"] for r in e["seeds"] for p in r["validation_curve"] if p["rl_step"] == step]
+    return f"{np.mean(v):.3f}" if len(v) == len(e["seeds"]) else "–"
+  lines = ["", "Mechanisms (mean over RL steps and warm-starts; late: the last 5 steps), test "
+           "searches per question, and validation EM at RL step 15 and 20:", "",
+           "| setting | zero-variance groups | recycled share (late) | anchor groups per valid "
+           "step | cross-stratum term (late) | HA-DW φ hard / easy | train reward (late) | "
+           "searches 1-hop / 2-hop | validation EM, step 15 → 20 |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for name, e in _entries(results):
+    m = e["mechanisms"]
+    lines.append(
+        f"| {name} | {f(m, 'zero_variance_frac')} | {f(m, 'recycled_frac')} "
+        f"({f(m, 'recycled_frac_late')}) | {f(m, 'gigpo_anchor_group_frac')} | "
+        f"{f(m, 'cross_stratum_bias')} ({f(m, 'cross_stratum_bias_late')}) | "
+        f"{f(m, 'hadw_phi_hard')} / {f(m, 'hadw_phi_easy')} | {f(m, 'train_reward')} "
+        f"({f(m, 'train_reward_late')}) | {f(m, 'test_searches_1hop')} / "
+        f"{f(m, 'test_searches_2hop')} | {val(e, 15)} → {val(e, 20)} |")
+  return lines
 
 
 def _entries(results: dict):
