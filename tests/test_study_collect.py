@@ -24,6 +24,11 @@ def _write(path, rows):
     f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
+def _read(path):
+  with open(path) as f:
+    return [json.loads(l) for l in f]
+
+
 def _eval_rows(em, hops):
   return [{"id": f"q{i}", "hops": int(h), "answers": ["x"], "em": [float(e)], "f1": [float(e)],
            "search_calls": [int(h)], "queries": [["q"] * int(h)], "retrieved": [[["p"]] * int(h)]}
@@ -112,6 +117,16 @@ def test_results_md_tables_per_warm_start_and_mechanisms(tmp_path):
   assert want in md
   w = res["warm_starts"][0]["test_start"]
   assert any(l.startswith(f"| start | {w['em']:.3f} ({w['em_2hop']:.3f}) |") for l in md)
+  # the paired reading over the first n warm-starts: n = 2 is the full paired difference
+  first = res["settings"]["gigpo"]["paired_first_warm_starts"]
+  pr = res["settings"]["gigpo"]["paired_vs_grpo_recycle"]
+  assert [x["n_warm_starts"] for x in first] == [1, 2]
+  assert first[1]["em"] == pytest.approx(pr["em"]) and first[1]["ci95_em"] == pr["ci95_em"]
+  d0 = np.mean([a["em"][0] - b["em"][0] for a, b in zip(
+      *(_read(tmp_path / "runs" / "rl" / n / "seed_0" / "test_final" / "samples_test.jsonl")
+        for n in ("gigpo", "grpo_recycle")))])
+  assert first[0]["em"] == pytest.approx(d0)
+  assert any(l.startswith(f"| gigpo | {first[0]['em']:+.3f} ") for l in md)
   row = next(l for l in md if l.startswith("| grpo | 0.50 | 0.75 (0.75) |"))
   assert row.endswith("| – → 0.500 |")
 

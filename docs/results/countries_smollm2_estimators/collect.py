@@ -361,6 +361,13 @@ def main(argv=None) -> int:
              "test": test_block(finals, name),
              "paired_vs_grpo_recycle": (paired(finals, ref, name, family=True)
                                         if name != REFERENCE else {}),
+             # how the paired reading moved as warm-starts were added (0; 0, 1; 0, 1, 2)
+             "paired_first_warm_starts": ([
+                 {"n_warm_starts": k, **{key: v for key, v in paired(
+                     {s: finals[s] for s in sorted(set(finals) & set(ref))[:k]}, ref,
+                     name).items() if key in ("em", "ci95_em", "em_2hop", "ci95")}}
+                 for k in range(1, len(set(finals) & set(ref)) + 1)]
+                 if name != REFERENCE else []),
              # final minus start on the same questions from the same warm-start
              "gain_vs_start": paired(finals, {s: w["test_rows"] for s, w in warm.items()
                                               if "test_rows" in w}, name + "/gain"),
@@ -428,7 +435,8 @@ def write_markdown(results: dict, path: str) -> None:
     if "greedy_final_em_2hop" in pk:
       lines += ["", "Greedy EM at the end on the same questions: "
                 f"{pk['greedy_final_em_2hop']:.3f}."]
-  lines += per_warm_start_lines(results) + mechanism_lines(results)
+  lines += (per_warm_start_lines(results) + first_warm_starts_lines(results)
+            + mechanism_lines(results))
   if results["missing"]:
     lines += ["", "Not finished yet: " + ", ".join(results["missing"]) + "."]
   lines += ["", f"Command: `{results['command']}`", ""]
@@ -452,6 +460,24 @@ def per_warm_start_lines(results: dict) -> list[str]:
   for name, e in _entries(results):
     final = {r["seed"]: r["final"] for r in e["seeds"]}
     lines.append(f"| {name} | " + " | ".join(cell(final.get(s)) for s in seeds) + " |")
+  return lines
+
+
+def first_warm_starts_lines(results: dict) -> list[str]:
+  """Markdown: each paired EM difference from grpo_recycle over the first 1, 2, ... warm-starts
+  (with 1, its interval covers question sampling only)."""
+  rows = [(n, e["paired_first_warm_starts"]) for n, e in _entries(results)
+          if e.get("paired_first_warm_starts")]
+  if not rows:
+    return []
+  most = max(len(r) for _, r in rows)
+  lines = ["", "Paired EM vs grpo_recycle [95% CI] over the first n warm-starts (n = 1: the "
+           "interval covers question sampling only):", "",
+           "| setting | " + " | ".join(f"n = {k}" for k in range(1, most + 1)) + " |",
+           "|---|" + "---|" * most]
+  for name, r in rows:
+    cells = [f"{x['em']:+.3f} {_ci(x['ci95_em'])}" for x in r] + ["–"] * (most - len(r))
+    lines.append(f"| {name} | " + " | ".join(cells) + " |")
   return lines
 
 
