@@ -17,7 +17,8 @@
 # then seed 0 of every setting and control and its pass@k, then seed 1, then seed 2, so that a
 # partial grid is a paired one.
 # Cost on 2 CPU cores: ~10 min a warm-start, ~25-30 min a run (20 RL steps, 4 validation
-# evaluations of 214 questions, a test evaluation of 469): ~12 hours in all.
+# evaluations of 214 questions, a test evaluation of 469), ~40 min for rft, ~20 min for
+# sft_continued, ~17 min a pass@k evaluation: ~14 hours in all.
 #
 # Resumable: every stage is skipped when its output exists; a killed gigrl-train resumes from
 # its latest checkpoint (every 5 steps); gigrl-sweep marks finished runs. A run evaluated on test
