@@ -336,9 +336,9 @@ def main(argv=None) -> int:
   if ids:
     results["warm_starts_test"] = test_block({s: w["test_rows"] for s, w in warm.items()},
                                              "warm_starts")
-    results["closed_book_test"] = {k: float(np.mean([w["closed_book"][k] for w in warm.values()
-                                                      if "closed_book" in w]))
-                                   for _, k in HOPS if any("closed_book" in w for w in warm.values())}
+    closed = [w["closed_book"] for w in warm.values() if "closed_book" in w]
+    results["closed_book_test"] = {k: float(np.mean([c[k] for c in closed]))
+                                   for _, k in HOPS if closed}
   ref = {s: {r["id"]: r for r in run["test"]} for s, run in found.get(REFERENCE, {}).items()}
   for name in ORDER:
     runs = found.get(name, {})
