@@ -568,8 +568,12 @@ def plot_forest(results: dict, path: str) -> None:
     for i, (name, e) in enumerate(rows):
       pr = e["paired_vs_grpo_recycle"]
       ci = pr["ci95" if key == "em_2hop" else f"ci95_{key}"]
-      ax.plot(ci, [i, i], color="C0" if name not in CONTROLS else "C3")
-      ax.plot([pr[key]], [i], "o", color="C0" if name not in CONTROLS else "C3")
+      color = "C0" if name not in CONTROLS else "C3"
+      if f"ci_family_{key}" in pr:      # the family-wise interval: thin, behind the 95% one
+        ax.plot(pr[f"ci_family_{key}"], [i, i], color=color, lw=0.8, alpha=0.5,
+                label="family-wise (Bonferroni, 14)" if i == 0 else None)
+      ax.plot(ci, [i, i], color=color, lw=2, label="95%" if i == 0 else None)
+      ax.plot([pr[key]], [i], "o", color=color)
     ax.axvline(0, color="k", lw=0.8)
     ax.set_title({"em": "test EM", "em_1hop": "test EM, 1-hop",
                   "em_2hop": "test EM, 2-hop"}[key] + " minus grpo_recycle's")
@@ -579,6 +583,8 @@ def plot_forest(results: dict, path: str) -> None:
   axes[0].set_yticklabels([f"{n} (n={e['paired_vs_grpo_recycle']['n_warm_starts']})"
                            for n, e in rows])
   axes[0].invert_yaxis()
+  if rows:
+    axes[-1].legend(loc="upper right", fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
