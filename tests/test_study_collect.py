@@ -66,13 +66,18 @@ def _grid(root, q=60, seeds=(0, 1), gain=None):
   return hops
 
 
+def _collected(mod, root, **grid):
+  """Builds a synthetic grid under ``root``, runs collect.py on it: (results.json, out dir)."""
+  _grid(root / "runs", **grid)
+  out = root / "out"
+  os.makedirs(out)
+  assert mod.main(["--runs", str(root / "runs"), "--out", str(out), "--command", "x"]) == 0
+  return json.load(open(out / "results.json")), out
+
+
 def test_collect_schema_and_paired_statistics(tmp_path):
   mod = _collect()
-  _grid(tmp_path / "runs")
-  out = tmp_path / "out"
-  os.makedirs(out)
-  assert mod.main(["--runs", str(tmp_path / "runs"), "--out", str(out), "--command", "x"]) == 0
-  res = json.load(open(out / "results.json"))
+  res, out = _collected(mod, tmp_path)
   assert res["test_questions"] == 60 and len(res["warm_starts"]) == 2
   assert res["closed_book_test"]["em"] == 0.0
   for name in ("grpo", "gigpo"):
@@ -105,11 +110,7 @@ def test_results_md_tables_per_warm_start_and_mechanisms(tmp_path):
   """results.md: each run's final test EM (2-hop) by warm-start, and the mechanisms table with
   validation EM at RL steps 15 and 20 ("–" where a run has no evaluation at that step)."""
   mod = _collect()
-  _grid(tmp_path / "runs")
-  out = tmp_path / "out"
-  os.makedirs(out)
-  assert mod.main(["--runs", str(tmp_path / "runs"), "--out", str(out), "--command", "x"]) == 0
-  res = json.load(open(out / "results.json"))
+  res, out = _collected(mod, tmp_path)
   md = open(out / "results.md").read().splitlines()
   f = {r["seed"]: r["final"] for r in res["settings"]["gigpo"]["seeds"]}
   want = (f"| gigpo | {f[0]['em']:.3f} ({f[0]['em_2hop']:.3f}) | "
@@ -136,12 +137,7 @@ def test_an_interval_does_not_move_when_another_run_lands(tmp_path):
   mod = _collect()
 
   def gigpo(gain):
-    root = tmp_path / str(len(gain))
-    _grid(root / "runs", gain=gain)
-    os.makedirs(root / "out")
-    assert mod.main(["--runs", str(root / "runs"), "--out", str(root / "out"),
-                     "--command", "x"]) == 0
-    return json.load(open(root / "out" / "results.json"))["settings"]["gigpo"]
+    return _collected(mod, tmp_path / str(len(gain)), gain=gain)[0]["settings"]["gigpo"]
 
   a = gigpo({"grpo_recycle": 0.3, "gigpo": 0.1})
   b = gigpo({"grpo_recycle": 0.3, "grpo": 0.2, "gigpo": 0.1, "stratified": 0.2})
@@ -177,15 +173,11 @@ def test_family_wise_interval_is_the_bonferroni_percentile_interval(tmp_path):
   reps = (ws @ d * wq).sum(1) / (s * q)
   a = 0.05 / mod.FAMILY
   assert np.allclose(fam, np.quantile(reps, [a / 2, 1 - a / 2]))
-  _grid(tmp_path / "runs", gain={"grpo_recycle": 0.3, "gigpo": 0.1})
-  os.makedirs(tmp_path / "out")
-  assert mod.main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
-                   "--command", "x"]) == 0
-  pr = json.load(open(tmp_path / "out" / "results.json"))["settings"]["gigpo"][
-      "paired_vs_grpo_recycle"]
+  res, out = _collected(mod, tmp_path, gain={"grpo_recycle": 0.3, "gigpo": 0.1})
+  pr = res["settings"]["gigpo"]["paired_vs_grpo_recycle"]
   for key, ci in (("em", "ci95_em"), ("em_2hop", "ci95")):
     assert pr[f"ci_family_{key}"][0] <= pr[ci][0] and pr[ci][1] <= pr[f"ci_family_{key}"][1]
-  assert "Bonferroni" in open(tmp_path / "out" / "results.md").read()
+  assert "Bonferroni" in open(out / "results.md").read()
 
 
 def test_continued_sft_generates_no_rollouts():
