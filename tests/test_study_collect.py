@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -189,25 +190,30 @@ def test_continued_sft_generates_no_rollouts():
   assert mod.rollouts_per_step({"data": data, "train": {"num_steps": 0}}) == 0
 
 
+def _sampled(correct):
+  """gigrl-eval sampled rows of 2-hop questions q1, q3, ...: `correct[i]` of 8 samples right."""
+  return [{"id": f"q{2 * i + 1}", "hops": 2, "answers": ["x"] * 8, "f1": [0.0] * 8,
+           "em": [1.0] * c + [0.0] * (8 - c), "search_calls": [2] * 8}
+          for i, c in enumerate(correct)]
+
+
+def _passk(root, seed, start, final):
+  """pass@k evaluations of warm-start `seed` and of grpo_recycle from it (`start`, `final`:
+  samples right per question), as run.sh leaves them."""
+  for d, correct in ((root / "warm_start" / f"seed_{seed}" / "passk_start", start),
+                     (root / "rl" / "grpo_recycle" / f"seed_{seed}" / "passk_final", final)):
+    _write(str(d / "samples_test_2hop.jsonl"), _sampled(correct))
+    with open(d / "results.json", "w") as f:
+      json.dump({"datasets": {"test_2hop": {"eval/pass@1": 0.0}}}, f)
+
+
 def test_pass_at_k_start_and_end_are_paired_per_question(tmp_path):
   """pass_at_k_2hop: each question's unbiased pass@k from its 8 samples (Chen et al. eq. 1), at
   the warm-start and at the end of grpo_recycle, and their paired difference."""
   mod = _collect()
   root = tmp_path / "runs"
   _grid(root, q=8, seeds=(0,), gain={"grpo_recycle": 0.3})
-
-  def sampled(correct):                  # 4 2-hop questions, `correct[i]` of 8 samples right
-    return [{"id": f"q{2 * i + 1}", "hops": 2, "answers": ["x"] * 8, "f1": [0.0] * 8,
-             "em": [1.0] * c + [0.0] * (8 - c), "search_calls": [2] * 8} for i, c in
-            enumerate(correct)]
-  _write(str(root / "warm_start" / "seed_0" / "passk_start" / "samples_test_2hop.jsonl"),
-         sampled([0, 1, 4, 8]))
-  _write(str(root / "rl" / "grpo_recycle" / "seed_0" / "passk_final" / "samples_test_2hop.jsonl"),
-         sampled([1, 1, 8, 8]))
-  for d in (root / "warm_start" / "seed_0" / "passk_start",
-            root / "rl" / "grpo_recycle" / "seed_0" / "passk_final"):
-    with open(d / "results.json", "w") as f:
-      json.dump({"datasets": {"test_2hop": {"eval/pass@1": 0.0}}}, f)
+  _passk(root, 0, [0, 1, 4, 8], [1, 1, 8, 8])
   out = tmp_path / "out"
   os.makedirs(out)
   assert mod.main(["--runs", str(root), "--out", str(out), "--command", "x"]) == 0
@@ -224,3 +230,46 @@ def test_pass_at_k_start_and_end_are_paired_per_question(tmp_path):
   assert lo <= 0.25 <= hi
   assert "pass@k on the 4 2-hop test questions" in open(out / "results.md").read()
   assert 0.0 <= pk["greedy_final_em_2hop"] <= 1.0
+
+
+def test_pass_at_k_rebuilt_from_outputs_after_the_runs_are_lost(tmp_path):
+  """--pass-at-k-only: with the runs directory gone but outputs/ kept, a pass@k evaluation run
+  again for one warm-start joins the others; the block equals a full collect of the whole grid,
+  each seed's pass@k is its rows' mean, and no other figure moves."""
+  mod = _collect()
+  # the grid, collected before seed 1's pass@k: seed 0's alone
+  root = tmp_path / "lost"
+  _grid(root / "runs", q=8, gain={"grpo_recycle": 0.3})
+  _passk(root / "runs", 0, [0, 1, 4, 8], [1, 1, 8, 8])
+  out = root / "out"
+  os.makedirs(out)
+  assert mod.main(["--runs", str(root / "runs"), "--out", str(out), "--command", "x"]) == 0
+  before = json.load(open(out / "results.json"))
+  assert before["pass_at_k_2hop"]["n_warm_starts"] == 1
+  # the runs are lost; seed 1's pass@k is run again into a fresh runs directory
+  shutil.rmtree(root / "runs")
+  _passk(root / "again", 1, [2, 0, 8, 3], [8, 1, 8, 5])
+  assert mod.main(["--pass-at-k-only", "--runs", str(root / "again"), "--out", str(out)]) == 0
+  after = json.load(open(out / "results.json"))
+  # the same grid with both pass@k evaluations in place from the start
+  _grid(tmp_path / "full", q=8, gain={"grpo_recycle": 0.3})
+  _passk(tmp_path / "full", 0, [0, 1, 4, 8], [1, 1, 8, 8])
+  _passk(tmp_path / "full", 1, [2, 0, 8, 3], [8, 1, 8, 5])
+  os.makedirs(tmp_path / "full_out")
+  assert mod.main(["--runs", str(tmp_path / "full"), "--out", str(tmp_path / "full_out"),
+                   "--command", "x"]) == 0
+  full = json.load(open(tmp_path / "full_out" / "results.json"))
+  assert after["pass_at_k_2hop"] == full["pass_at_k_2hop"]
+  assert after["pass_at_k_2hop"]["n_warm_starts"] == 2
+  assert after["warm_starts"][1]["pass_at_k_2hop_start"]["8"] == pytest.approx(0.75)
+  assert after["settings"]["grpo_recycle"]["seeds"][1]["pass_at_k_2hop_final"]["1"] == (
+      pytest.approx((8 + 1 + 8 + 5) / 32))
+  assert os.path.exists(out / "outputs" / "warm_start_seed1_passk_start.jsonl")
+  for key in ("settings", "controls", "warm_starts_test", "closed_book_test", "missing"):
+    if key == "settings":
+      for e in (before, after):
+        for seed in e[key]["grpo_recycle"]["seeds"]:
+          seed.pop("pass_at_k_2hop_final", None)
+    assert after[key] == before[key], key
+  assert "n = 2 warm-start(s)" in open(out / "results.md").read()
+  assert mod.main(["--pass-at-k-only", "--runs", str(root), "--out", str(tmp_path)]) == 2

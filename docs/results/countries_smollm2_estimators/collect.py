@@ -7,6 +7,11 @@ forest.png and outputs/ (per-question rows of every evaluation).
 Works on a partial grid: a run that has not finished is left out (and listed as missing);
 every statistic says how many warm-starts it rests on.
 
+With ``--pass-at-k-only`` it rebuilds only the pass@k figures, from the per-question outputs in
+outputs/ (and any pass@k evaluation finished under --runs), leaving every other figure of
+results.json as it is: how a pass@k evaluation re-run after the runs directory was lost joins
+the others.
+
 Statistics (README.md of this folder, "Statistics"):
 * test EM of a setting: the mean over its warm-starts of the final test EM (all 469 test
   questions, greedy); 95% interval from a two-way bootstrap that resamples warm-starts and
@@ -225,14 +230,98 @@ def pass_at_k_block(warm: dict[int, dict], ref_runs: dict[int, dict],
   return block
 
 
+def pass_at_k_means(rows: dict[str, dict]) -> dict[str, float]:
+  """{"1": ..., "4": ..., "8": ...}: the mean over the questions of ``rows`` (id -> sampled row)
+  of each question's unbiased pass@k, for every k of PASS_K (gigrl-eval's own figures)."""
+  ids = sorted(rows)
+  return {str(k): float(passk_matrix({0: rows}, [0], ids, k).mean()) for k in PASS_K}
+
+
+def rebuild_pass_at_k(runs_dir: str, out_dir: str) -> dict:
+  """Rebuilds the pass@k figures of ``out_dir/results.json`` from the per-question outputs in
+  ``out_dir/outputs`` and leaves every other figure as it is; returns the new results.
+
+  First copies (normalised) each finished pass@k evaluation found under ``runs_dir``
+  (``warm_start/seed_*/passk_start``, ``rl/grpo_recycle/seed_*/passk_final``) into outputs/;
+  then reads every ``warm_start_seed<s>_passk_start.jsonl`` and
+  ``grpo_recycle_seed<s>_passk_final.jsonl`` there, with ``grpo_recycle_seed<s>_test_final.jsonl``
+  for greedy EM, into ``pass_at_k_2hop`` (:func:`pass_at_k_block`) and each warm-start's and
+  grpo_recycle seed's pass@k. For a grid whose runs directory is gone but whose outputs/ were
+  committed, so that a pass@k evaluation re-run later joins the others. Raises FileNotFoundError
+  when ``out_dir`` holds no results.json.
+  """
+  outputs = os.path.join(out_dir, "outputs")
+  with open(os.path.join(out_dir, "results.json"), encoding="utf-8") as f:
+    results = json.load(f)
+  for what, pattern in (("passk_start", os.path.join("warm_start", "seed_*")),
+                        ("passk_final", os.path.join("rl", REFERENCE, "seed_*"))):
+    for d in sorted(glob.glob(os.path.join(runs_dir, pattern))):
+      files = glob.glob(os.path.join(d, what, "samples_*.jsonl"))
+      if files and os.path.exists(os.path.join(d, what, "results.json")):
+        s = int(d.rsplit("_", 1)[1])
+        name = "warm_start" if what == "passk_start" else REFERENCE
+        with open(os.path.join(outputs, f"{name}_seed{s}_{what}.jsonl"), "w",
+                  encoding="utf-8") as f:
+          f.writelines(json.dumps(r) + "\n" for r in normalise_eval_rows(read_jsonl(files[0])))
+
+  def by_seed(pattern: str) -> dict[int, dict[str, dict]]:
+    out = {}
+    for path in glob.glob(os.path.join(outputs, pattern)):
+      s = int(re.search(r"_seed(\d+)_", os.path.basename(path)).group(1))
+      out[s] = {r["id"]: r for r in read_jsonl(path)}
+    return out
+
+  start = by_seed("warm_start_seed*_passk_start.jsonl")
+  final = by_seed(f"{REFERENCE}_seed*_passk_final.jsonl")
+  greedy = by_seed(f"{REFERENCE}_seed*_test_final.jsonl")
+  for w in results["warm_starts"]:
+    if w["seed"] in start:
+      w["pass_at_k_2hop_start"] = pass_at_k_means(start[w["seed"]])
+  for e in results["settings"].get(REFERENCE, {}).get("seeds", []):
+    if e["seed"] in final:
+      e["pass_at_k_2hop_final"] = pass_at_k_means(final[e["seed"]])
+  block = pass_at_k_block({s: {"passk_rows": r} for s, r in start.items()},
+                          {s: {"passk_rows": r} for s, r in final.items()}, greedy)
+  if block:
+    results["pass_at_k_2hop"] = block
+  commits = os.path.join(runs_dir, "commits.txt")
+  if os.path.exists(commits):
+    results["commits"] = sorted(set(results.get("commits", []))
+                                | set(open(commits).read().split()))
+  return results
+
+
+def write_all(results: dict, out_dir: str) -> None:
+  """results.json (atomically: readers never see half), results.md, curves.png, forest.png."""
+  tmp = os.path.join(out_dir, "results.json.tmp")
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(results, f, indent=1)
+  os.replace(tmp, os.path.join(out_dir, "results.json"))
+  write_markdown(results, os.path.join(out_dir, "results.md"))
+  plot_curves(results, os.path.join(out_dir, "curves.png"))
+  plot_forest(results, os.path.join(out_dir, "forest.png"))
+
+
 # ------------------------------------------------------------------------------ main
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--runs", default="runs/estimators")
   p.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
   p.add_argument("--command", default="bash docs/results/countries_smollm2_estimators/run.sh")
+  p.add_argument("--pass-at-k-only", action="store_true",
+                 help="rebuild only the pass@k figures of OUT/results.json, from OUT/outputs/ "
+                      "and any pass@k evaluation finished under RUNS; every other figure stays")
   args = p.parse_args(argv)
   outputs = os.path.join(args.out, "outputs")
+  if args.pass_at_k_only:
+    if not os.path.exists(os.path.join(args.out, "results.json")):
+      print(f"collect.py: --pass-at-k-only: no results.json in {args.out}", file=sys.stderr)
+      return 2
+    write_all(rebuild_pass_at_k(args.runs, args.out), args.out)
+    pk = json.load(open(os.path.join(args.out, "results.json"))).get("pass_at_k_2hop", {})
+    print(f"rebuilt pass@k from {pk.get('n_warm_starts', 0)} warm-start(s) -> {args.out}",
+          file=sys.stderr)
+    return 0
   os.makedirs(outputs, exist_ok=True)
   settings_sh = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "run.sh")).read()
   overrides = dict(re.findall(r'^\s+"([a-z_]+):([^"]+)"', settings_sh, re.M))
@@ -383,13 +472,7 @@ def main(argv=None) -> int:
   block = pass_at_k_block(warm, found.get(REFERENCE, {}), ref)
   if block:
     results["pass_at_k_2hop"] = block
-  tmp = os.path.join(args.out, "results.json.tmp")      # atomic: readers never see half
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(results, f, indent=1)
-  os.replace(tmp, os.path.join(args.out, "results.json"))
-  write_markdown(results, os.path.join(args.out, "results.md"))
-  plot_curves(results, os.path.join(args.out, "curves.png"))
-  plot_forest(results, os.path.join(args.out, "forest.png"))
+  write_all(results, args.out)
   done = sum(len(e["seeds"]) for part in ("settings", "controls")
              for e in results[part].values())
   print(f"collected {len(warm)} warm-starts and {done} runs ({len(results['missing'])} "
