@@ -1,8 +1,8 @@
 """Sign check of the whole RL pipeline: the advantage's sign moves the answer log-probability.
 
 A CI-sized run of the real trainer (tiny policy, the bundled ``countries`` task, BM25 over its
-corpus): an SFT warm-start on 1-hop demonstrations of 16 training questions, then 4 RL steps
-(rollout -> EM reward -> GRPO advantages -> token advantages -> PPO loss on the loss mask ->
+corpus): an SFT warm-start on 1-hop demonstrations of 16 training questions, then 6 RL steps of
+8 prompts x 4 samples (rollout -> EM reward -> GRPO advantages -> token advantages -> PPO loss on the loss mask ->
 AdamW). The measure is the mean log-probability of the answer turn's tokens (``<answer> gold
 </answer>``) of teacher-forced demonstrations, on a fixed batch of held-out questions (countries
 no training question names) and on the RL's training questions.
@@ -18,6 +18,13 @@ not separate reliably at this size. Measured (4 RL steps, lr 3e-4): on 1 CPU dev
 -2.002 -> -2.116 (right sign) vs -2.189 (negated), but on the 8 simulated devices of
 tests/conftest.py -2.047 -> -2.099 vs -1.990; the training batch -0.026 -> -0.029 vs -0.146
 (8 devices) and -0.028 -> -0.038 vs -0.097 (1 device). Both are printed.
+
+That was 4 RL steps of 4 prompts, a margin that proved to hang on the environment: on a fresh
+install of 2026-11-26 (same code, same jax 0.10.2) the training batch read -0.0275 -> -0.0313 vs
+-0.0394, 0.008 apart, under MARGIN. With 6 steps of 8 prompts (twice the groups a step, so more
+groups with mixed outcomes) it reads -0.0275 -> -0.0331 vs -0.0742 (seed 0) and -0.0198 ->
+-0.0887 vs -0.4473 (seed 1), and with the advantages negated for the whole test the two runs swap
+(-0.0742 vs -0.0331: the test fails), on 8 simulated devices.
 """
 from __future__ import annotations
 
@@ -39,7 +46,7 @@ from gigrl.data import qa
 from gigrl.rollout import demos as demos_lib
 from gigrl.rollout import trajectory as traj_lib
 
-SFT_STEPS, RL_STEPS = 60, 4
+SFT_STEPS, RL_STEPS = 60, 6
 MARGIN = 0.01     # nats per answer token
 
 
@@ -50,7 +57,7 @@ def _config(rl_steps: int):
   cfg.data.questions_file = os.path.join(root, "questions.jsonl")
   cfg.search.corpus = os.path.join(root, "corpus.jsonl")
   cfg.data.max_train_questions = 16       # the first training ids are 1-hop questions
-  cfg.data.prompts_per_step, cfg.data.group_size = 4, 4
+  cfg.data.prompts_per_step, cfg.data.group_size = 8, 4
   cfg.data.pool.rule, cfg.data.pool.oversample = "grpo", 1
   cfg.model.preset = "tiny"
   cfg.rollout.max_turns = 1
