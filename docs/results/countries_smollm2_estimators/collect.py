@@ -59,6 +59,11 @@ def read_jsonl(path: str) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
+def write_jsonl(path: str, rows: list[dict]) -> None:
+  with open(path, "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
 def normalise_eval_rows(rows: list[dict]) -> list[dict]:
   """gigrl-eval's ``samples_<set>.jsonl`` rows (lists per sample) -> the trainer's
   ``eval_outputs`` schema (id, hops, prediction, em, f1, searches, queries, retrieved); a
@@ -260,9 +265,8 @@ def rebuild_pass_at_k(runs_dir: str, out_dir: str) -> dict:
       if files and os.path.exists(os.path.join(d, what, "results.json")):
         s = int(d.rsplit("_", 1)[1])
         name = "warm_start" if what == "passk_start" else REFERENCE
-        with open(os.path.join(outputs, f"{name}_seed{s}_{what}.jsonl"), "w",
-                  encoding="utf-8") as f:
-          f.writelines(json.dumps(r) + "\n" for r in normalise_eval_rows(read_jsonl(files[0])))
+        write_jsonl(os.path.join(outputs, f"{name}_seed{s}_{what}.jsonl"),
+                    normalise_eval_rows(read_jsonl(files[0])))
 
   def by_seed(pattern: str) -> dict[int, dict[str, dict]]:
     out = {}
@@ -317,8 +321,9 @@ def main(argv=None) -> int:
     if not os.path.exists(os.path.join(args.out, "results.json")):
       print(f"collect.py: --pass-at-k-only: no results.json in {args.out}", file=sys.stderr)
       return 2
-    write_all(rebuild_pass_at_k(args.runs, args.out), args.out)
-    pk = json.load(open(os.path.join(args.out, "results.json"))).get("pass_at_k_2hop", {})
+    results = rebuild_pass_at_k(args.runs, args.out)
+    write_all(results, args.out)
+    pk = results.get("pass_at_k_2hop", {})
     print(f"rebuilt pass@k from {pk.get('n_warm_starts', 0)} warm-start(s) -> {args.out}",
           file=sys.stderr)
     return 0
@@ -329,8 +334,7 @@ def main(argv=None) -> int:
                                 "train.sft_learning_rate=1e-5,train.sft_questions=<all train>")
 
   def save(name: str, rows: list[dict]) -> None:
-    with open(os.path.join(outputs, name + ".jsonl"), "w", encoding="utf-8") as f:
-      f.writelines(json.dumps(r) + "\n" for r in rows)
+    write_jsonl(os.path.join(outputs, name + ".jsonl"), rows)
 
   # warm-starts
   warm = {}
