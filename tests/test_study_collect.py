@@ -273,3 +273,106 @@ def test_pass_at_k_rebuilt_from_outputs_after_the_runs_are_lost(tmp_path):
     assert after[key] == before[key], key
   assert "n = 2 warm-start(s)" in open(out / "results.md").read()
   assert mod.main(["--pass-at-k-only", "--runs", str(root), "--out", str(tmp_path)]) == 2
+
+
+# Student t quantile with 2 degrees of freedom in closed form: t_p = (2p - 1) / sqrt(2p(1 - p))
+T975_DF2 = 0.95 / np.sqrt(2 * 0.975 * 0.025)          # 4.3027
+
+
+def test_t_interval_over_warm_starts_is_the_hand_computed_one(tmp_path):
+  """Issue #51: the t-interval over the warm-starts' means, beside the bootstrap: per warm-start
+  the mean over questions of setting minus grpo_recycle, then mean ± t_{0.975, n-1} · sd / √n
+  (sd with n - 1), checked against a hand computation; the verdict interval is the wider."""
+  mod = _collect()
+  # the helper on three numbers: mean 0.3, sd = sqrt(0.07)
+  lo, hi = mod.t_interval([0.1, 0.2, 0.6])
+  half = T975_DF2 * np.sqrt(0.07) / np.sqrt(3)
+  assert (lo, hi) == (pytest.approx(0.3 - half), pytest.approx(0.3 + half))
+  assert mod.t_interval([0.4]) is None
+  assert mod.wider([-1.0, 1.0], [-0.5, 0.5]) == [-1.0, 1.0]
+  assert mod.wider([-0.5, 0.5], [-0.4, 0.9]) == [-0.4, 0.9]
+  # on a grid of 3 warm-starts, from the rows the runs wrote
+  res, out = _collected(mod, tmp_path, seeds=(0, 1, 2),
+                        gain={"grpo_recycle": 0.3, "gigpo": 0.1})
+  pr = res["settings"]["gigpo"]["paired_vs_grpo_recycle"]
+  runs = tmp_path / "runs" / "rl"
+  hops = np.array([1, 2] * 30)
+  for key, sel in (("em", hops > 0), ("em_1hop", hops == 1), ("em_2hop", hops == 2)):
+    d = []
+    for s in (0, 1, 2):
+      a, b = (np.array([r["em"][0] for r in _read(runs / n / f"seed_{s}" / "test_final" /
+                                                   "samples_test.jsonl")])
+              for n in ("gigpo", "grpo_recycle"))
+      d.append((a - b)[sel].mean())
+    assert pr["per_warm_start"][key] == pytest.approx(d)
+    m, sd = np.mean(d), np.sqrt(sum((x - np.mean(d)) ** 2 for x in d) / 2)
+    assert sd > 0
+    assert pr["t_interval"][key] == pytest.approx([m - T975_DF2 * sd / np.sqrt(3),
+                                                   m + T975_DF2 * sd / np.sqrt(3)])
+    boot = pr["ci95" if key == "em_2hop" else f"ci95_{key}"]
+    t = pr["t_interval"][key]
+    assert pr["verdict_interval"][key] == (t if t[1] - t[0] > boot[1] - boot[0] else boot)
+  # the gain over the start and pass@k carry one too; results.md shows both intervals
+  assert len(res["settings"]["gigpo"]["gain_vs_start"]["t_interval"]["em"]) == 2
+  md = open(out / "results.md").read()
+  lo, hi = pr["t_interval"]["em"]
+  assert f"{pr['em']:+.3f} " in md and f"[{lo:+.3f}, {hi:+.3f}]" in md
+  assert "Student t with n − 1 degrees of freedom" in md
+
+
+def test_from_outputs_rebuilds_the_test_figures_of_a_full_collect(tmp_path):
+  """--from-outputs: with the runs directory gone, every figure resting on the test rows (test
+  EM, paired differences with both intervals, gains, pass@k) is rebuilt from outputs/ into the
+  results.json a collect made before the t-interval existed, and equals a full collect's."""
+  mod = _collect()
+  root = tmp_path / "g"
+  _grid(root / "runs", q=8, seeds=(0, 1, 2), gain={"grpo_recycle": 0.3, "gigpo": 0.1})
+  _passk(root / "runs", 0, [0, 1, 4, 8], [1, 1, 8, 8])
+  _passk(root / "runs", 1, [2, 0, 8, 3], [8, 1, 8, 5])
+  out = root / "out"
+  os.makedirs(out)
+  assert mod.main(["--runs", str(root / "runs"), "--out", str(out), "--command", "x"]) == 0
+  full = json.load(open(out / "results.json"))
+  # the results.json of before: no t-intervals anywhere
+  old = json.loads(json.dumps(full))
+  for e in old["settings"].values():
+    for block in (e["paired_vs_grpo_recycle"], e["gain_vs_start"]):
+      for k in ("warm_starts", "per_warm_start", "t_interval", "verdict_interval"):
+        block.pop(k, None)
+  for k in ("per_warm_start", "t_interval", "verdict_interval"):
+    old["pass_at_k_2hop"].pop(k)
+  with open(out / "results.json", "w") as f:
+    json.dump(old, f)
+  shutil.rmtree(root / "runs")
+  assert mod.main(["--from-outputs", "--runs", str(root / "runs"), "--out", str(out)]) == 0
+  new = json.load(open(out / "results.json"))
+  # each seed's own pass@k: a full collect copies gigrl-eval's figure (this fake writes 0.0),
+  # a rebuild computes it from the rows (as --pass-at-k-only does)
+  for r in (full, new):
+    for e in r["warm_starts"] + r["settings"]["grpo_recycle"]["seeds"]:
+      e.pop("pass_at_k_2hop_start", None), e.pop("pass_at_k_2hop_final", None)
+  assert new == full
+  assert mod.main(["--from-outputs", "--runs", str(root), "--out", str(tmp_path)]) == 2
+
+
+def test_versions_are_recorded(tmp_path, capsys):
+  """results.json's versions: the ones run.sh recorded at each start (collect.py
+  --print-versions >> RUNS/versions.jsonl), grouped, and the collecting environment's."""
+  mod = _collect()
+  assert mod.main(["--print-versions"]) == 0
+  line = json.loads(capsys.readouterr().out)
+  assert {"time", "commit", "python", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint",
+          "numpy"} <= set(line)
+  import jax
+  assert line["jax"] == jax.__version__
+  _grid(tmp_path / "runs", q=8)
+  other = dict(line, time="2000-01-01T00:00:00Z", jax="0.0.1")
+  _write(str(tmp_path / "runs" / "versions.jsonl"),
+         [line, other, dict(line, time="2100-01-01T00:00:00Z")])
+  os.makedirs(tmp_path / "out")
+  assert mod.main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
+                   "--command", "x"]) == 0
+  v = json.load(open(tmp_path / "out" / "results.json"))["versions"]
+  assert [g["versions"]["jax"] for g in v["runs"]] == ["0.0.1", jax.__version__]
+  assert v["runs"][1]["starts"] == [line["time"], "2100-01-01T00:00:00Z"]
+  assert v["collect"]["numpy"] == np.__version__

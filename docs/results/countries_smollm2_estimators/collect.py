@@ -10,7 +10,14 @@ every statistic says how many warm-starts it rests on.
 With ``--pass-at-k-only`` it rebuilds only the pass@k figures, from the per-question outputs in
 outputs/ (and any pass@k evaluation finished under --runs), leaving every other figure of
 results.json as it is: how a pass@k evaluation re-run after the runs directory was lost joins
-the others.
+the others. With ``--from-outputs`` it rebuilds every figure that rests on the test rows alone
+(test EM, paired differences and their intervals, gains over the start, pass@k) from outputs/,
+and leaves the validation curves and mechanisms (which need the runs directory) as they are: how
+the t-intervals of issue #51 joined the grid after its runs directory was lost.
+
+``versions`` in results.json: the python, jax, jaxlib, flax, optax, orbax-checkpoint and numpy
+versions run.sh records at each (re)start (``--print-versions`` >> RUNS/versions.jsonl), those of
+the collecting process, and the hand-written versions_known.json (runs that recorded none).
 
 Statistics (README.md of this folder, "Statistics"):
 * test EM of a setting: the mean over its warm-starts of the final test EM (all 469 test
@@ -19,6 +26,12 @@ Statistics (README.md of this folder, "Statistics"):
 * the paired difference from ``grpo_recycle``: per warm-start and question, this setting's EM
   minus grpo_recycle's on the same question from the same warm-start, averaged, with the same
   two-way bootstrap; only the warm-starts both have finished enter it;
+* beside every paired difference's bootstrap interval (from ``grpo_recycle``, over the start,
+  pass@k; issue #51) a t-interval over the warm-starts: each warm-start's mean over the
+  questions, then mean ± t_{0.975, n-1} · sd / √n (``per_warm_start``, ``t_interval``; n = 3:
+  2 degrees of freedom). Three warm-starts give the bootstrap only 10 distinct draws of them,
+  so it understates their variance. A verdict is read from the wider of the two
+  (``verdict_interval``);
 * pass@k on the 2-hop test questions (8 samples at temperature 1) at the start and the end of
   ``grpo_recycle``: per question the unbiased pass@k (Chen et al. 2021, eq. 1; gigrl-eval's
   ``pass_at_k``), then end minus start on the same questions from the same warm-start, with the
@@ -159,6 +172,105 @@ def em_matrix(finals: dict[int, dict[str, dict]], seeds: list[int], ids: list[st
   return np.array([[finals[s][i]["em"] for i in ids] for s in seeds], np.float64)
 
 
+def t_interval(per_warm_start, alpha: float = 0.05) -> list[float] | None:
+  """The 1 - ``alpha`` Student-t interval for the mean of ``per_warm_start`` (one value per
+  warm-start, e.g. its paired difference averaged over the questions), with n - 1 degrees of
+  freedom: mean ± t_{1 - alpha/2, n - 1} · sd / √n (sd with ddof = 1). With n = 3 warm-starts:
+  2 degrees of freedom, t = 4.303. None when n < 2 (no spread to estimate).
+
+  Beside the two-way bootstrap because 3 warm-starts give the bootstrap only 10 distinct
+  warm-start draws, so it understates their variance (issue #51)."""
+  from scipy import stats  # pylint: disable=g-import-not-at-top  (jax requires scipy)
+  x = np.asarray(per_warm_start, np.float64)
+  if x.size < 2:
+    return None
+  half = float(stats.t.ppf(1 - alpha / 2, x.size - 1)) * x.std(ddof=1) / np.sqrt(x.size)
+  return [float(x.mean() - half), float(x.mean() + half)]
+
+
+def wider(boot: list[float], t: list[float] | None) -> list[float]:
+  """The interval a verdict is read from: the wider of the bootstrap one and the t-interval
+  (the bootstrap's on a tie, or when there is no t-interval: n = 1)."""
+  if t is None or t[1] - t[0] <= boot[1] - boot[0]:
+    return list(boot)
+  return list(t)
+
+
+def question_columns(test_rows: dict[int, dict[str, dict]]) -> dict[str, list[str]]:
+  """{"em": every test id, "em_1hop": the 1-hop ids, "em_2hop": the 2-hop ids} (sorted), from
+  the test rows (id -> row) of the lowest warm-start."""
+  rows = test_rows[min(test_rows)]
+  ids = sorted(rows)
+  return {key: [i for i in ids if h is None or rows[i]["hops"] == h] for h, key in HOPS}
+
+
+def test_block(finals: dict[int, dict[str, dict]], cols: dict[str, list[str]],
+               label: str) -> dict:
+  """A setting's test EM by hop (mean over warm-starts) with its two-way bootstrap interval."""
+  seeds = sorted(finals)
+  out = {"n_warm_starts": len(seeds), "ci95": {}}
+  for _, key in HOPS:
+    m = em_matrix(finals, seeds, cols[key])
+    out[key], out["ci95"][key] = two_way_bootstrap(m, rng_for("test", label, key))
+  return out
+
+
+def paired(finals: dict[int, dict[str, dict]], ref: dict[int, dict[str, dict]],
+           cols: dict[str, list[str]], label: str, family: bool = False) -> dict:
+  """``finals`` minus ``ref`` (test rows by warm-start and id) question by question from the
+  same warm-start, over the warm-starts both have: per hop key the mean, its two-way bootstrap
+  interval (``ci95_em``, ``ci95_em_1hop``, and ``ci95`` for 2-hop), with ``family`` the
+  family-wise one (``ci_family_*``); then ``per_warm_start`` (each warm-start's mean over the
+  questions), ``t_interval`` (:func:`t_interval` over those) and ``verdict_interval`` (the
+  wider of the bootstrap and the t-interval: :func:`wider`), each by hop key. {} when no
+  warm-start has both."""
+  seeds = sorted(set(finals) & set(ref))
+  if not seeds:
+    return {}
+  out = {"n_warm_starts": len(seeds)}
+  per, t_iv, verdict = {}, {}, {}
+  for _, key in HOPS:
+    d = em_matrix(finals, seeds, cols[key]) - em_matrix(ref, seeds, cols[key])
+    mean, ci = two_way_bootstrap(d, rng_for("paired", label, key))
+    out[key], out["ci95" if key == "em_2hop" else f"ci95_{key}"] = mean, ci
+    if family and key != "em_1hop":
+      out[f"ci_family_{key}"] = two_way_bootstrap(
+          d, rng_for("family", label, key), BOOT_FAMILY, 0.05 / FAMILY)[1]
+    per[key] = [float(x) for x in d.mean(1)]
+    t_iv[key] = t_interval(per[key])
+    verdict[key] = wider(ci, t_iv[key])
+  out.update(warm_starts=seeds, per_warm_start=per, t_interval=t_iv, verdict_interval=verdict)
+  return out
+
+
+def first_warm_starts(finals: dict[int, dict[str, dict]], ref: dict[int, dict[str, dict]],
+                      cols: dict[str, list[str]], label: str) -> list[dict]:
+  """How the paired reading moved as warm-starts were added: paired EM and 2-hop EM (95%)
+  over the first k warm-starts both runs finished, k = 1, 2, ..."""
+  both = sorted(set(finals) & set(ref))
+  keep = ("em", "ci95_em", "em_2hop", "ci95")
+  out = []
+  for k in range(1, len(both) + 1):
+    pr = paired({s: finals[s] for s in both[:k]}, ref, cols, label)
+    out.append({"n_warm_starts": k, **{key: pr[key] for key in keep}})
+  return out
+
+
+def test_figures(name: str, finals: dict[int, dict[str, dict]],
+                 ref: dict[int, dict[str, dict]], start: dict[int, dict[str, dict]],
+                 cols: dict[str, list[str]]) -> dict:
+  """Every figure of setting ``name`` that rests on test rows alone (by warm-start and id:
+  its finals, grpo_recycle's ``ref``, the warm-starts' ``start``): ``test``,
+  ``paired_vs_grpo_recycle``, ``paired_first_warm_starts`` and ``gain_vs_start`` (final minus
+  start on the same questions from the same warm-start), in results.json's order."""
+  return {"test": test_block(finals, cols, name),
+          "paired_vs_grpo_recycle": (paired(finals, ref, cols, name, family=True)
+                                     if name != REFERENCE else {}),
+          "paired_first_warm_starts": (first_warm_starts(finals, ref, cols, name)
+                                       if name != REFERENCE else []),
+          "gain_vs_start": paired(finals, start, cols, name + "/gain")}
+
+
 # ---------------------------------------------------------------------------- one setting
 def collect_run(run: str) -> dict | None:
   """A finished run's validation curve, final test rows and mechanisms (None if unfinished)."""
@@ -208,7 +320,9 @@ def pass_at_k_block(warm: dict[int, dict], ref_runs: dict[int, dict],
   ``warm[s]["passk_rows"]`` and ``ref_runs[s]["passk_rows"]`` map question id -> sampled row
   (``em_samples``: the EM of each of the n samples); only warm-starts with both enter. For each k
   of PASS_K: the mean per-question pass@k (Chen et al. 2021, eq. 1) at the start and the end, and
-  the mean of end − start with its two-way bootstrap interval (EM units). ``ref`` (greedy final
+  the mean of end − start with its two-way bootstrap interval (EM units), each warm-start's mean
+  of it, its t-interval over those and the wider of the two (``verdict_interval``). ``ref``
+  (greedy final
   test rows of grpo_recycle by seed and id) gives greedy EM on the same questions. {} when no
   warm-start has both.
   """
@@ -221,13 +335,17 @@ def pass_at_k_block(warm: dict[int, dict], ref_runs: dict[int, dict],
   pk_ids = sorted(set.intersection(*(set(start[s]) & set(final[s]) for s in pk_seeds)))
   block = {"setting": REFERENCE, "n_warm_starts": len(pk_seeds), "questions": len(pk_ids),
            "samples": len(next(iter(start[pk_seeds[0]].values()))["em_samples"]),
-           "start": {}, "final": {}, "diff": {}, "ci95": {}}
+           "start": {}, "final": {}, "diff": {}, "ci95": {}, "per_warm_start": {},
+           "t_interval": {}, "verdict_interval": {}}
   for k in PASS_K:
     a = passk_matrix(start, pk_seeds, pk_ids, k)
     b = passk_matrix(final, pk_seeds, pk_ids, k)
     block["start"][str(k)], block["final"][str(k)] = float(a.mean()), float(b.mean())
     block["diff"][str(k)], block["ci95"][str(k)] = two_way_bootstrap(
         b - a, rng_for("pass_at_k", k))
+    block["per_warm_start"][str(k)] = [float(x) for x in (b - a).mean(1)]
+    block["t_interval"][str(k)] = t_interval(block["per_warm_start"][str(k)])
+    block["verdict_interval"][str(k)] = wider(block["ci95"][str(k)], block["t_interval"][str(k)])
   # the earlier study's comparison, kept beside it: greedy EM after RL on the same questions
   greedy = [ref[s][i]["em"] for s in pk_seeds for i in pk_ids if i in ref.get(s, {})]
   if greedy:
@@ -240,6 +358,16 @@ def pass_at_k_means(rows: dict[str, dict]) -> dict[str, float]:
   of each question's unbiased pass@k, for every k of PASS_K (gigrl-eval's own figures)."""
   ids = sorted(rows)
   return {str(k): float(passk_matrix({0: rows}, [0], ids, k).mean()) for k in PASS_K}
+
+
+def rows_by_seed(outputs: str, pattern: str) -> dict[int, dict[str, dict]]:
+  """{seed: {id: row}} from the files of ``outputs`` matching ``pattern`` (e.g.
+  ``gigpo_seed*_test_final.jsonl``), seed read from each name's ``_seed<s>_``."""
+  out = {}
+  for path in sorted(glob.glob(os.path.join(outputs, pattern))):
+    s = int(re.search(r"_seed(\d+)_", os.path.basename(path)).group(1))
+    out[s] = {r["id"]: r for r in read_jsonl(path)}
+  return dict(sorted(out.items()))
 
 
 def rebuild_pass_at_k(runs_dir: str, out_dir: str) -> dict:
@@ -268,16 +396,9 @@ def rebuild_pass_at_k(runs_dir: str, out_dir: str) -> dict:
         write_jsonl(os.path.join(outputs, f"{name}_seed{s}_{what}.jsonl"),
                     normalise_eval_rows(read_jsonl(files[0])))
 
-  def by_seed(pattern: str) -> dict[int, dict[str, dict]]:
-    out = {}
-    for path in glob.glob(os.path.join(outputs, pattern)):
-      s = int(re.search(r"_seed(\d+)_", os.path.basename(path)).group(1))
-      out[s] = {r["id"]: r for r in read_jsonl(path)}
-    return out
-
-  start = by_seed("warm_start_seed*_passk_start.jsonl")
-  final = by_seed(f"{REFERENCE}_seed*_passk_final.jsonl")
-  greedy = by_seed(f"{REFERENCE}_seed*_test_final.jsonl")
+  start = rows_by_seed(outputs, "warm_start_seed*_passk_start.jsonl")
+  final = rows_by_seed(outputs, f"{REFERENCE}_seed*_passk_final.jsonl")
+  greedy = rows_by_seed(outputs, f"{REFERENCE}_seed*_test_final.jsonl")
   for w in results["warm_starts"]:
     if w["seed"] in start:
       w["pass_at_k_2hop_start"] = pass_at_k_means(start[w["seed"]])
@@ -292,7 +413,116 @@ def rebuild_pass_at_k(runs_dir: str, out_dir: str) -> dict:
   if os.path.exists(commits):
     results["commits"] = sorted(set(results.get("commits", []))
                                 | set(open(commits).read().split()))
+  results["versions"] = versions_block(runs_dir, out_dir, results.get("versions"))
   return results
+
+
+def rebuild_from_outputs(runs_dir: str, out_dir: str) -> dict:
+  """Rebuilds every figure of ``out_dir/results.json`` that rests on the per-question test rows
+  alone, from ``out_dir/outputs``, and leaves the others (validation curves, mechanisms,
+  overrides) as they are; returns the new results.
+
+  The pass@k figures as :func:`rebuild_pass_at_k` (with any pass@k evaluation finished under
+  ``runs_dir``); then from ``warm_start_seed<s>_{test_start,closed_book}.jsonl`` and
+  ``<setting>_seed<s>_test_final.jsonl``: ``warm_starts_test``, ``closed_book_test`` and, for
+  every setting and control already in results.json, ``test``, ``paired_vs_grpo_recycle``,
+  ``paired_first_warm_starts`` and ``gain_vs_start`` (:func:`test_figures`), the t-intervals
+  included. On a grid whose runs directory is gone this is how a new statistic joins the
+  committed figures; on a full grid it equals what a full collect writes. Raises
+  FileNotFoundError when ``out_dir`` holds no results.json or outputs/ no test rows.
+  """
+  results = rebuild_pass_at_k(runs_dir, out_dir)
+  outputs = os.path.join(out_dir, "outputs")
+  start = rows_by_seed(outputs, "warm_start_seed*_test_start.jsonl")
+  if not start:
+    raise FileNotFoundError(f"no warm_start_seed*_test_start.jsonl in {outputs}")
+  cols = question_columns(start)
+  results["warm_starts_test"] = test_block(start, cols, "warm_starts")
+  closed = [by_hop(list(rows.values())) for rows in
+            rows_by_seed(outputs, "warm_start_seed*_closed_book.jsonl").values()]
+  if closed:
+    results["closed_book_test"] = {k: float(np.mean([c[k] for c in closed])) for _, k in HOPS}
+  ref = rows_by_seed(outputs, f"{REFERENCE}_seed*_test_final.jsonl")
+  for name, e in _entries(results):
+    finals = rows_by_seed(outputs, f"{name}_seed*_test_final.jsonl")
+    if finals:
+      e.update(test_figures(name, finals, ref, start, cols))
+  return results
+
+
+# --------------------------------------------------------------------------- versions
+VERSION_PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy")
+KNOWN_VERSIONS = "versions_known.json"   # in OUT: what is known of runs that recorded nothing
+
+
+def installed_versions() -> dict:
+  """{"python": "3.11.7", "jax": "0.10.2", ...}: this interpreter's version and the installed
+  version (as ``pip freeze`` gives it) of each of VERSION_PACKAGES; None for one not installed."""
+  import platform  # pylint: disable=g-import-not-at-top
+  from importlib import metadata  # pylint: disable=g-import-not-at-top
+  out = {"python": platform.python_version()}
+  for name in VERSION_PACKAGES:
+    try:
+      out[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+      out[name] = None
+  return out
+
+
+def version_record() -> dict:
+  """One line of RUNS/versions.jsonl, which run.sh appends at each (re)start of the grid
+  (``collect.py --print-versions``): the UTC time, the checkout's commit and
+  :func:`installed_versions`."""
+  import datetime  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  try:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    commit = None
+  now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+  return {"time": now, "commit": commit, **installed_versions()}
+
+
+def versions_block(runs_dir: str, out_dir: str, old: dict | None = None) -> dict:
+  """results.json's ``versions``: the package versions the figures were made with.
+
+  ``runs``: the distinct version sets run.sh recorded in ``runs_dir/versions.jsonl`` at the
+  grid's (re)starts, each with the times of the starts that ran it (``starts``), merged with
+  those already in ``old`` (the previous results.json's, so that a lost runs directory keeps
+  them); ``collect``: this process's (the bootstrap's numpy); ``known_before_recording``: the
+  hand-written ``out_dir/versions_known.json``, where present (what notes say about runs that
+  recorded nothing)."""
+  groups = {}
+  path = os.path.join(runs_dir, "versions.jsonl")
+  for g in (old or {}).get("runs", []) + [
+      {"versions": {k: r.get(k) for k in ("python", *VERSION_PACKAGES)}, "starts": [r["time"]]}
+      for r in (read_jsonl(path) if os.path.exists(path) else [])]:
+    key = json.dumps(g["versions"], sort_keys=True)
+    groups.setdefault(key, {"versions": g["versions"], "starts": set()})["starts"].update(
+        g["starts"])
+  runs = [{"versions": g["versions"], "starts": sorted(g["starts"])} for g in groups.values()]
+  out = {"runs": sorted(runs, key=lambda g: g["starts"][0]),
+         "collect": installed_versions()}
+  known = os.path.join(out_dir, KNOWN_VERSIONS)
+  if os.path.exists(known):
+    with open(known, encoding="utf-8") as f:
+      out["known_before_recording"] = json.load(f)
+  out["note"] = ("runs: the versions run.sh recorded at each (re)start of the grid "
+                 "(RUNS/versions.jsonl; none where the grid ran before run.sh recorded them); "
+                 "collect: the environment of the collect.py that wrote this file"
+                 + ("; known_before_recording: what is known of earlier runs, by hand"
+                    if os.path.exists(known) else ""))
+  return out
+
+
+def load_results(out_dir: str) -> dict | None:
+  """``out_dir/results.json``, or None where there is none (or it does not parse)."""
+  try:
+    with open(os.path.join(out_dir, "results.json"), encoding="utf-8") as f:
+      return json.load(f)
+  except (FileNotFoundError, json.JSONDecodeError):
+    return None
 
 
 def write_all(results: dict, out_dir: str) -> None:
@@ -315,17 +545,37 @@ def main(argv=None) -> int:
   p.add_argument("--pass-at-k-only", action="store_true",
                  help="rebuild only the pass@k figures of OUT/results.json, from OUT/outputs/ "
                       "and any pass@k evaluation finished under RUNS; every other figure stays")
+  p.add_argument("--from-outputs", action="store_true",
+                 help="rebuild every figure that rests on the test rows (test EM, paired "
+                      "differences with their bootstrap and t-intervals, gains, pass@k) from "
+                      "OUT/outputs/; validation curves and mechanisms stay as they are")
+  p.add_argument("--print-versions", action="store_true",
+                 help="print one JSON line: time, commit, python and the installed jax, jaxlib, "
+                      "flax, optax, orbax-checkpoint, numpy (run.sh appends it to "
+                      "RUNS/versions.jsonl at each start)")
   args = p.parse_args(argv)
   outputs = os.path.join(args.out, "outputs")
-  if args.pass_at_k_only:
+  if args.print_versions:
+    print(json.dumps(version_record()))
+    return 0
+  if args.pass_at_k_only or args.from_outputs:
+    flag = "--pass-at-k-only" if args.pass_at_k_only else "--from-outputs"
     if not os.path.exists(os.path.join(args.out, "results.json")):
-      print(f"collect.py: --pass-at-k-only: no results.json in {args.out}", file=sys.stderr)
+      print(f"collect.py: {flag}: no results.json in {args.out}", file=sys.stderr)
       return 2
-    results = rebuild_pass_at_k(args.runs, args.out)
+    if args.pass_at_k_only:
+      results = rebuild_pass_at_k(args.runs, args.out)
+    else:
+      try:
+        results = rebuild_from_outputs(args.runs, args.out)
+      except FileNotFoundError as e:
+        print(f"collect.py: --from-outputs: {e}", file=sys.stderr)
+        return 2
     write_all(results, args.out)
-    pk = results.get("pass_at_k_2hop", {})
-    print(f"rebuilt pass@k from {pk.get('n_warm_starts', 0)} warm-start(s) -> {args.out}",
-          file=sys.stderr)
+    n = (results.get("pass_at_k_2hop", {}).get("n_warm_starts", 0) if args.pass_at_k_only
+         else len(results.get("warm_starts", [])))
+    print(f"rebuilt {'pass@k' if args.pass_at_k_only else 'the test figures'} from {n} "
+          f"warm-start(s) -> {args.out}", file=sys.stderr)
     return 0
   os.makedirs(outputs, exist_ok=True)
   settings_sh = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "run.sh")).read()
@@ -392,43 +642,7 @@ def main(argv=None) -> int:
 
   ids = sorted(next(iter(warm.values()))["test_rows"]) if warm and all(
       "test_rows" in w for w in warm.values()) else []
-  hop_of = {i: warm[min(warm)]["test_rows"][i]["hops"] for i in ids} if ids else {}
-  cols = {key: [i for i in ids if h is None or hop_of[i] == h] for h, key in HOPS}
-
-  def test_block(finals: dict[int, dict[str, dict]], label: str) -> dict:
-    seeds = sorted(finals)
-    out = {"n_warm_starts": len(seeds), "ci95": {}}
-    for _, key in HOPS:
-      m = em_matrix(finals, seeds, cols[key])
-      out[key], out["ci95"][key] = two_way_bootstrap(m, rng_for("test", label, key))
-    return out
-
-  def paired(finals: dict[int, dict[str, dict]], ref: dict[int, dict[str, dict]],
-             label: str, family: bool = False) -> dict:
-    seeds = sorted(set(finals) & set(ref))
-    if not seeds:
-      return {}
-    out = {"n_warm_starts": len(seeds)}
-    for _, key in HOPS:
-      d = em_matrix(finals, seeds, cols[key]) - em_matrix(ref, seeds, cols[key])
-      mean, ci = two_way_bootstrap(d, rng_for("paired", label, key))
-      out[key], out["ci95" if key == "em_2hop" else f"ci95_{key}"] = mean, ci
-      if family and key != "em_1hop":
-        out[f"ci_family_{key}"] = two_way_bootstrap(
-            d, rng_for("family", label, key), BOOT_FAMILY, 0.05 / FAMILY)[1]
-    return out
-
-  def first_warm_starts(finals: dict[int, dict[str, dict]], ref: dict[int, dict[str, dict]],
-                        label: str) -> list[dict]:
-    """How the paired reading moved as warm-starts were added: paired EM and 2-hop EM (95%)
-    over the first k warm-starts both runs finished, k = 1, 2, ..."""
-    both = sorted(set(finals) & set(ref))
-    keep = ("em", "ci95_em", "em_2hop", "ci95")
-    out = []
-    for k in range(1, len(both) + 1):
-      pr = paired({s: finals[s] for s in both[:k]}, ref, label)
-      out.append({"n_warm_starts": k, **{key: pr[key] for key in keep}})
-    return out
+  cols = question_columns({s: w["test_rows"] for s, w in warm.items()}) if ids else {}
 
   results = {"validation_questions": 214, "test_questions": len(ids),
              "protocol": "docs/results/countries_smollm2_estimators/README.md",
@@ -440,7 +654,7 @@ def main(argv=None) -> int:
     results["commits"] = sorted(set(open(commits).read().split()))
   if ids:
     results["warm_starts_test"] = test_block({s: w["test_rows"] for s, w in warm.items()},
-                                             "warm_starts")
+                                             cols, "warm_starts")
     closed = [w["closed_book"] for w in warm.values() if "closed_book" in w]
     results["closed_book_test"] = {k: float(np.mean([c[k] for c in closed]))
                                    for _, k in HOPS if closed}
@@ -463,19 +677,16 @@ def main(argv=None) -> int:
                         "rollouts_per_step": run["rollouts_per_step"],
                         **({"pass_at_k_2hop_final": run["passk"]} if "passk" in run else {})}
                        for s, run in sorted(runs.items())],
-             "test": test_block(finals, name),
-             "paired_vs_grpo_recycle": (paired(finals, ref, name, family=True)
-                                        if name != REFERENCE else {}),
-             "paired_first_warm_starts": (first_warm_starts(finals, ref, name)
-                                          if name != REFERENCE else []),
-             # final minus start on the same questions from the same warm-start
-             "gain_vs_start": paired(finals, {s: w["test_rows"] for s, w in warm.items()
-                                              if "test_rows" in w}, name + "/gain"),
+             **test_figures(name, finals, ref, {s: w["test_rows"] for s, w in warm.items()
+                                                 if "test_rows" in w}, cols),
              "mechanisms": mechanisms(runs)}
     results["controls" if name in CONTROLS else "settings"][name] = entry
   block = pass_at_k_block(warm, found.get(REFERENCE, {}), ref)
   if block:
     results["pass_at_k_2hop"] = block
+  previous = load_results(args.out)     # versions recorded before (a lost runs dir keeps them)
+  results["versions"] = versions_block(args.runs, args.out,
+                                       (previous or {}).get("versions"))
   write_all(results, args.out)
   done = sum(len(e["seeds"]) for part in ("settings", "controls")
              for e in results[part].values())
@@ -517,15 +728,20 @@ def write_markdown(results: dict, path: str) -> None:
                    f"{t['n_warm_starts']} | {t['em']:.3f} {_ci(t['ci95']['em'])} | "
                    f"{t['em_1hop']:.3f} | {t['em_2hop']:.3f} {_ci(t['ci95']['em_2hop'])} | "
                    f"{gain} | {pair2} | {pair} | {fam} |")
+  lines += t_interval_lines(results)
   pk = results.get("pass_at_k_2hop")
   if pk:
+    has_t = "t_interval" in pk
     lines += ["", f"pass@k on the {pk['questions']} 2-hop test questions ({pk['samples']} samples "
               f"at temperature 1), start and end of {pk['setting']}, paired, "
               f"n = {pk['n_warm_starts']} warm-start(s):", "",
-              "| k | start | end | end − start [95% CI] |", "|---|---|---|---|"]
+              "| k | start | end | end − start [95% CI] |"
+              + (" t-interval over warm-starts [95%] |" if has_t else ""),
+              "|---|---|---|---|" + ("---|" if has_t else "")]
     for k in pk["diff"]:
       lines.append(f"| {k} | {pk['start'][k]:.3f} | {pk['final'][k]:.3f} | "
-                   f"{pk['diff'][k]:+.3f} {_ci(pk['ci95'][k])} |")
+                   f"{pk['diff'][k]:+.3f} {_ci(pk['ci95'][k])} |"
+                   + (f" {_ci_or_dash(pk['t_interval'][k])} |" if has_t else ""))
     if "greedy_final_em_2hop" in pk:
       lines += ["", "Greedy EM at the end on the same questions: "
                 f"{pk['greedy_final_em_2hop']:.3f}."]
@@ -536,6 +752,52 @@ def write_markdown(results: dict, path: str) -> None:
   lines += ["", f"Command: `{results['command']}`", ""]
   with open(path, "w", encoding="utf-8") as f:
     f.write("\n".join(lines))
+
+
+def _ci_or_dash(x: list[float] | None) -> str:
+  return _ci(x) if x else "–"
+
+
+def t_interval_lines(results: dict) -> list[str]:
+  """Markdown: every paired difference from grpo_recycle, and every gain over the start, with
+  both intervals: the two-way bootstrap and the t-interval over the warm-starts' means (n - 1
+  degrees of freedom). The wider, the one a verdict is read from, is in bold."""
+  rows = [(n, e) for n, e in _entries(results)
+          if "t_interval" in (e.get("paired_vs_grpo_recycle") or e.get("gain_vs_start") or {})]
+  if not rows:
+    return []
+
+  def both(pr, key, boot_key):
+    if not pr:
+      return "", ""
+    boot, t = pr[boot_key], pr["t_interval"][key]
+    b, tt = _ci(boot), _ci_or_dash(t)
+    if pr["verdict_interval"][key] == list(boot):
+      b = f"**{b}**"
+    else:
+      tt = f"**{tt}**"
+    return f"{pr[key]:+.3f} {b}", tt
+
+  def per(pr, key):
+    return " / ".join(f"{x:+.3f}" for x in pr["per_warm_start"][key]) if pr else ""
+  lines = ["", "Every paired difference with both intervals: the two-way bootstrap (95%) and the "
+           "t-interval over the warm-starts' means (95%, Student t with n − 1 degrees of freedom: "
+           "2 for n = 3). The wider, in bold, is the one a verdict is read from "
+           "(`verdict_interval` in results.json).", "",
+           "| setting | n | paired EM vs grpo_recycle [bootstrap] | t-interval | by warm-start | "
+           "paired 1-hop [bootstrap] | t-interval | paired 2-hop [bootstrap] | t-interval | "
+           "by warm-start | gain over the start, EM [bootstrap] | t-interval |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for name, e in rows:
+    pr, gain = e.get("paired_vs_grpo_recycle") or {}, e.get("gain_vs_start") or {}
+    n = (pr or gain)["n_warm_starts"]
+    cells = [*both(pr, "em", "ci95_em"), per(pr, "em"), *both(pr, "em_1hop", "ci95_em_1hop"),
+             *both(pr, "em_2hop", "ci95"), per(pr, "em_2hop"), *both(gain, "em", "ci95_em")]
+    if not pr:
+      cells[0] = "(reference)"
+    lines.append(f"| {name}{' (control)' if name in CONTROLS else ''} | {n} | "
+                 + " | ".join(cells) + " |")
+  return lines
 
 
 def per_warm_start_lines(results: dict) -> list[str]:
@@ -656,7 +918,7 @@ def plot_forest(results: dict, path: str) -> None:
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   import matplotlib.ticker  # pylint: disable=g-import-not-at-top
   rows = [(n, e) for n, e in _entries(results) if e["paired_vs_grpo_recycle"]]
-  fig, axes = plt.subplots(1, 3, figsize=(14, 1.2 + 0.5 * max(len(rows), 1)), sharey=True)
+  fig, axes = plt.subplots(1, 3, figsize=(14, 1.6 + 0.6 * max(len(rows), 1)), sharey=True)
   for col, (_, key) in enumerate(HOPS):
     ax = axes[col]
     for i, (name, e) in enumerate(rows):
@@ -666,8 +928,12 @@ def plot_forest(results: dict, path: str) -> None:
       if f"ci_family_{key}" in pr:      # the family-wise interval: thin, behind the 95% one
         ax.plot(pr[f"ci_family_{key}"], [i, i], color=color, lw=0.8, alpha=0.5,
                 label="family-wise (Bonferroni, 14)" if i == 0 else None)
-      ax.plot(ci, [i, i], color=color, lw=2, label="95%" if i == 0 else None)
+      ax.plot(ci, [i, i], color=color, lw=2, label="95%, bootstrap" if i == 0 else None)
       ax.plot([pr[key]], [i], "o", color=color)
+      t = (pr.get("t_interval") or {}).get(key)
+      if t:                             # the t-interval over warm-starts, just below
+        ax.plot(t, [i + 0.25, i + 0.25], color=color, lw=1.2, ls="--",
+                label="95%, t over warm-starts" if i == 0 else None)
     ax.axvline(0, color="k", lw=0.8)
     ax.set_title({"em": "test EM", "em_1hop": "test EM, 1-hop",
                   "em_2hop": "test EM, 2-hop"}[key] + " minus grpo_recycle's")
@@ -677,9 +943,10 @@ def plot_forest(results: dict, path: str) -> None:
   axes[0].set_yticklabels([f"{n} (n={e['paired_vs_grpo_recycle']['n_warm_starts']})"
                            for n, e in rows])
   axes[0].invert_yaxis()
-  if rows:
-    axes[-1].legend(loc="upper right", fontsize=8)
-  fig.tight_layout()
+  if rows:                              # below the panels: inside, it hid a row's interval
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+  fig.tight_layout(rect=(0, 0.06 if rows else 0, 1, 1))
   fig.savefig(path, dpi=110)
   plt.close(fig)
 

@@ -19,6 +19,7 @@ CFG=configs/countries.py:smollm2-135m-study
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu} PYTHONPATH=$STUDY
 mkdir -p "$RUNS"
 git -C "$STUDY" rev-parse HEAD >> "$RUNS/commits.txt"
+python "$OUT/collect.py" --print-versions >> "$RUNS/versions.jsonl"   # (added after the re-run)
 cd "$STUDY"
 ckpt=$(python -c 'from gigrl.models import fetch; print(fetch.default_dir("smollm2-135m-instruct"))')
 [[ -f $ckpt/config.json ]] || gigrl-fetch smollm2-135m-instruct

@@ -36,6 +36,9 @@ export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
 mkdir -p "$RUNS"
 # the code the grid runs (a resumed grid should run the same; see README "Where the grid stands")
 git rev-parse HEAD >> "$RUNS/commits.txt" 2>/dev/null || true
+# and the versions it runs with (python, jax, jaxlib, flax, optax, orbax-checkpoint, numpy):
+# collect.py writes them into results.json's `versions` (issue #51)
+python $OUT/collect.py --print-versions >> "$RUNS/versions.jsonl"
 
 ckpt=$(python -c 'from gigrl.models import fetch; print(fetch.default_dir("smollm2-135m-instruct"))')
 [[ -f $ckpt/config.json ]] || gigrl-fetch smollm2-135m-instruct
