@@ -376,3 +376,29 @@ def test_versions_are_recorded(tmp_path, capsys):
   assert [g["versions"]["jax"] for g in v["runs"]] == ["0.0.1", jax.__version__]
   assert v["runs"][1]["starts"] == [line["time"], "2100-01-01T00:00:00Z"]
   assert v["collect"]["numpy"] == np.__version__
+
+
+def test_recycling_at_matched_rollouts_pairs_the_validation_rows(tmp_path):
+  """recycling_at_matched_rollouts: grpo at the RL step where it has generated as many rollouts
+  as grpo_recycle (32 a step against 64: step 20 against step 10), minus grpo_recycle, per
+  question and warm-start on validation, with the t-interval over warm-starts."""
+  mod = _collect()
+  curve = lambda per_step: [{"rl_step": r, "rollouts": r * per_step} for r in (0, 5, 10, 15, 20)]
+  results = {"settings": {n: {"seeds": [{"seed": s, "validation_curve": curve(k)}
+                                         for s in (0, 1, 2)]}
+                          for n, k in (("grpo_recycle", 64), ("grpo", 32))}, "controls": {}}
+  rng = np.random.default_rng(0)
+  want = []
+  for s in (0, 1, 2):
+    a, b = rng.random(40) < 0.7, rng.random(40) < 0.6
+    want.append(a.mean() - b.mean())
+    for name, step, em in (("grpo", 20, a), ("grpo_recycle", 10, b), ("grpo_recycle", 20, ~b)):
+      _write(str(tmp_path / f"{name}_seed{s}_validation_rl{step:02d}.jsonl"),
+             [{"id": f"v{i}", "hops": 1 + i % 2, "em": float(e)} for i, e in enumerate(em)])
+  mr = mod.matched_rollouts_block(results, str(tmp_path))
+  assert (mr["rollouts"], mr["rl_step"], mr["rl_step_grpo_recycle"]) == (640, 20, 10)
+  assert mr["per_warm_start"]["em"] == pytest.approx(want)
+  m, sd = np.mean(want), np.std(want, ddof=1)
+  assert mr["t_interval"]["em"] == pytest.approx([m - T975_DF2 * sd / np.sqrt(3),
+                                                  m + T975_DF2 * sd / np.sqrt(3)])
+  assert mr["em"] == pytest.approx(m)

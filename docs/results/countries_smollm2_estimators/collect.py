@@ -36,6 +36,9 @@ Statistics (README.md of this folder, "Statistics"):
   ``grpo_recycle``: per question the unbiased pass@k (Chen et al. 2021, eq. 1; gigrl-eval's
   ``pass_at_k``), then end minus start on the same questions from the same warm-start, with the
   same two-way bootstrap (``pass_at_k_2hop`` in results.json);
+* recycling at matched rollouts (``recycling_at_matched_rollouts``): ``grpo`` minus
+  ``grpo_recycle`` on the validation questions at the largest rollout count both were evaluated
+  at (640: RL step 20 against 10), paired, with both intervals;
 * a family-wise interval for each paired difference from ``grpo_recycle`` (``ci_family_em``,
   ``ci_family_em_2hop``): Bonferroni over the FAMILY = 14 intervals the study reads a verdict
   from (7 comparisons x {EM, 2-hop EM}), i.e. the 1 - 0.05/14 percentile interval of the same
@@ -447,7 +450,49 @@ def rebuild_from_outputs(runs_dir: str, out_dir: str) -> dict:
     finals = rows_by_seed(outputs, f"{name}_seed*_test_final.jsonl")
     if finals:
       e.update(test_figures(name, finals, ref, start, cols))
+  block = matched_rollouts_block(results, outputs)
+  if block:
+    results["recycling_at_matched_rollouts"] = block
   return results
+
+
+def matched_rollouts_block(results: dict, outputs: str, name: str = "grpo") -> dict:
+  """``name`` (plain GRPO, fewer rollouts a step) minus grpo_recycle on validation, at the largest
+  number of rollouts both reached at an evaluation (grpo's RL step 20 against grpo_recycle's step
+  10: 640 rollouts each), paired per question and warm-start from the per-question validation
+  rows in ``outputs``: by hop key the mean, the two-way bootstrap interval (``ci95``), the
+  t-interval over warm-starts and the wider (``verdict_interval``). {} when either run or its
+  validation rows are missing."""
+  entries = dict(_entries(results))
+  if name not in entries or REFERENCE not in entries:
+    return {}
+
+  def steps(e):   # rollouts -> RL step, the same for every warm-start
+    per = [{c["rollouts"]: c["rl_step"] for c in r["validation_curve"] if c["rollouts"]}
+           for r in e["seeds"]]
+    return {k: v for k, v in per[0].items() if all(p.get(k) == v for p in per)} if per else {}
+  a, b = steps(entries[name]), steps(entries[REFERENCE])
+  common = sorted(set(a) & set(b))
+  if not common:
+    return {}
+  n = common[-1]
+  ra = rows_by_seed(outputs, f"{name}_seed*_validation_rl{a[n]:02d}.jsonl")
+  rb = rows_by_seed(outputs, f"{REFERENCE}_seed*_validation_rl{b[n]:02d}.jsonl")
+  seeds = sorted(set(ra) & set(rb))
+  if not seeds:
+    return {}
+  rows = ra[seeds[0]]
+  out = {"setting": name, "rollouts": n, "rl_step": a[n], "rl_step_" + REFERENCE: b[n],
+         "n_warm_starts": len(seeds), "questions": len(rows), "ci95": {}, "per_warm_start": {},
+         "t_interval": {}, "verdict_interval": {}}
+  for hops, key in HOPS:
+    ids = sorted(i for i in rows if hops is None or rows[i]["hops"] == hops)
+    d = em_matrix(ra, seeds, ids) - em_matrix(rb, seeds, ids)
+    out[key], out["ci95"][key] = two_way_bootstrap(d, rng_for("matched_rollouts", name, key))
+    out["per_warm_start"][key] = [float(x) for x in d.mean(1)]
+    out["t_interval"][key] = t_interval(out["per_warm_start"][key])
+    out["verdict_interval"][key] = wider(out["ci95"][key], out["t_interval"][key])
+  return out
 
 
 # --------------------------------------------------------------------------- versions
@@ -684,6 +729,9 @@ def main(argv=None) -> int:
   block = pass_at_k_block(warm, found.get(REFERENCE, {}), ref)
   if block:
     results["pass_at_k_2hop"] = block
+  block = matched_rollouts_block(results, outputs)
+  if block:
+    results["recycling_at_matched_rollouts"] = block
   previous = load_results(args.out)     # versions recorded before (a lost runs dir keeps them)
   results["versions"] = versions_block(args.runs, args.out,
                                        (previous or {}).get("versions"))
@@ -729,6 +777,16 @@ def write_markdown(results: dict, path: str) -> None:
                    f"{t['em_1hop']:.3f} | {t['em_2hop']:.3f} {_ci(t['ci95']['em_2hop'])} | "
                    f"{gain} | {pair2} | {pair} | {fam} |")
   lines += t_interval_lines(results)
+  mr = results.get("recycling_at_matched_rollouts")
+  if mr:
+    lines += ["", f"At matched rollouts ({mr['rollouts']} each), validation EM "
+              f"({mr['questions']} questions, n = {mr['n_warm_starts']} warm-starts): "
+              f"{mr['setting']} at RL step {mr['rl_step']} minus {REFERENCE} at RL step "
+              f"{mr['rl_step_' + REFERENCE]}: " + "; ".join(
+                  f"{label} {mr[key]:+.3f} {_ci(mr['ci95'][key])} (t over warm-starts "
+                  f"{_ci_or_dash(mr['t_interval'][key])})"
+                  for label, key in (("EM", "em"), ("1-hop", "em_1hop"), ("2-hop", "em_2hop")))
+              + "."]
   pk = results.get("pass_at_k_2hop")
   if pk:
     has_t = "t_interval" in pk
