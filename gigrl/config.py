@@ -41,7 +41,7 @@ def data_config() -> ml_collections.ConfigDict:
 
 def rollout_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.engine = "host_loop"       # host_loop | callback
+  c.engine = "host_loop"       # the one rollout core ('callback' was retired in #50)
   c.max_turns = 4
   c.max_new_tokens = 64        # per turn
   c.max_obs_tokens = 128
@@ -55,8 +55,10 @@ def rollout_config() -> ml_collections.ConfigDict:
   c.prefill_once_per_group = True   # identical prompts (a group's G samples) prefilled once, KV rows copied
   c.shared_prefix = True       # the batch's common prompt prefix (system turn, instruction) prefilled once
   c.compact_rows = True        # observation extends and decode turns compute only the rows that need them
-  c.slot_bucket = 128          # attention and cache copies read written slots only, rounded up to this; 0 = all
-  c.width_bucket = 32          # prompt / observation widths rounded up to this; 0 = max_prompt / max_obs_tokens
+  c.slot_bucket = 16           # attention and cache copies read only the slots a call can have written, rounded up to this; 0 = all
+  c.width_bucket = 32          # prompt widths from the prompts' lengths, rounded up to this (observations: half or all of max_obs_tokens); 0 = the budgets
+  c.row_buckets = 2            # compacted calls compute a multiple of B / row_buckets rows (fewer: fewer programs, more padding)
+  c.obs_half = False           # observation extends also at half of max_obs_tokens (short observations; twice the extend programs)
   c.decode_chunk = 0           # decode steps per call (0 = a whole turn): rows that ended their turn leave between calls
   return c
 
@@ -108,8 +110,9 @@ def train_config() -> ml_collections.ConfigDict:
                                # included): held-out EM during the warm-start; 0 = off
   c.eval_questions = 32
   c.compile_cache = "auto"     # compiled programs kept on disk for later runs, resumes and
-                               # gigrl-eval (gigrl.compile_cache): 'auto' = $JAX_COMPILATION_CACHE_DIR,
+                               # gigrl-eval (gigrl.training.compile_cache): 'auto' = $JAX_COMPILATION_CACHE_DIR,
                                # else <cache>/jax (~/.cache/gigrl/jax); '' = off; or a directory
+  c.warmup = True              # compile every program of the run before step 1 (gigrl.training.warmup)
   c.eval_batch_size = 0        # held-out rollouts per call (0 = all at once; the KV cache grows
                                # with the rows: 300 rows of a 135M model in f32 take ~9 GB)
   return c
@@ -178,7 +181,15 @@ def _validate_data(cfg):
 
 
 def _validate_rollout(cfg):
-  check_choice(cfg, "rollout.engine", ("host_loop", "callback"))
+  if get_field(cfg, "rollout.engine") == "callback":
+    raise ConfigError("rollout.engine", "callback", "'host_loop' (the callback engine was retired "
+                      "in issue #50: host_loop is the one rollout core, with every saving)")
+  check_choice(cfg, "rollout.engine", ("host_loop",))
+  check_range(cfg, "rollout.row_buckets", 1, integer=True)
+  if get_field(cfg, "rollout.decode_chunk") and not get_field(cfg, "rollout.compact_rows"):
+    raise ConfigError("rollout.decode_chunk", get_field(cfg, "rollout.decode_chunk"),
+                      "0 when rollout.compact_rows is off (a turn decoded in chunks saves only "
+                      "by dropping the rows that ended; without compaction it saves nothing)")
   check_range(cfg, "rollout.max_turns", 0, integer=True)
   for f in ("max_new_tokens", "max_obs_tokens", "max_prompt_tokens"):
     check_range(cfg, f"rollout.{f}", 1, integer=True)

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from gigrl import compile_cache
+from gigrl.training import compile_cache
 from gigrl import config as config_lib
 from gigrl.config_utils import ConfigError
 from gigrl.training import api
@@ -28,7 +28,7 @@ def test_resolve(monkeypatch, tmp_path):
 def _compile_in_fresh_process(setting: str, env: dict) -> None:
   code = textwrap.dedent(f"""
       import jax, jax.numpy as jnp
-      from gigrl import compile_cache
+      from gigrl.training import compile_cache
       compile_cache.enable({setting!r})
       jax.jit(lambda x: jnp.sin(x) * 3 + 1)(jnp.arange(7.0)).block_until_ready()
   """)

@@ -38,6 +38,8 @@ def test_loss_section_is_ppo_loss_options_with_one_default_each():
     ("advantage.stratified.alpha", 1.5, "<= 1"),
     ("rollout.max_turns", -1, ">= 0"),
     ("rollout.engine", "vllm", "one of"),
+    ("rollout.engine", "callback", "'host_loop' (the callback engine was retired"),
+    ("rollout.row_buckets", 0, ">= 1"),
     ("rollout.top_p", 0.0, "> 0"),
     ("loss.loss_agg_mode", "mean", "one of"),
     ("loss.kl_loss_type", "k9", "one of"),
@@ -62,6 +64,18 @@ def test_bad_value_names_field_value_and_allowed(field, value, allowed):
     config_lib.validate(cfg)
   assert e.value.field == field
   assert repr(value) in str(e.value) and allowed in str(e.value)
+
+
+def test_decode_chunk_without_compact_rows_is_refused():
+  """``rollout.decode_chunk`` saves only by dropping finished rows between chunks, so without
+  ``rollout.compact_rows`` it is refused at start-up (never silently ignored)."""
+  cfg = config_lib.base_config()
+  cfg.rollout.decode_chunk, cfg.rollout.compact_rows = 16, False
+  with pytest.raises(ConfigError, match="rollout.compact_rows is off") as e:
+    config_lib.validate(cfg)
+  assert e.value.field == "rollout.decode_chunk"
+  cfg.rollout.compact_rows = True
+  config_lib.validate(cfg)
 
 
 def test_smoke_config_is_valid():

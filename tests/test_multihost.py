@@ -1,7 +1,7 @@
 """gigrl-train on 2 processes x 2 CPU devices (gloo collectives) against 1 process x 4 devices.
 
 The smoke config, shrunk (2 SFT + 4 RL steps, 4 prompts x 2 rollouts, ``data.pool.rule=grpo``),
-runs on both rollout engines; the callback-engine run also turns on GiGPO with similarity anchors
+runs twice: plain, and with GiGPO over similarity anchors
 (each host groups the anchor observations of the trained groups it holds). Checked:
 
 * the metrics of every step equal, to 1e-6, those of a 1-process x 4-device run with the same
@@ -86,7 +86,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-# The callback-engine runs: GiGPO step advantages over similarity anchor groups as well.
+# The "gigpo" runs: GiGPO step advantages over similarity anchor groups as well.
 GIGPO = ["--config.advantage.step=gigpo", "--config.advantage.gigpo.grouping=similarity"]
 
 
@@ -169,14 +169,15 @@ def _ok(results):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["host_loop", "callback"])
-def test_two_processes_match_one(tmp_path, engine):
+@pytest.mark.parametrize("variant", ["host_loop", "gigpo"])
+def test_two_processes_match_one(tmp_path, variant):
   ref_dir, dir2 = str(tmp_path / "ref"), str(tmp_path / "two")
-  extra = tuple(GIGPO) if engine == "callback" else ()
+  engine = "host_loop"     # the one rollout engine (the callback engine was retired in #50)
+  extra = tuple(GIGPO) if variant == "gigpo" else ()
   _ok(_launch(ref_dir, 1, engine, extra=extra))
   ref = _metrics(ref_dir)
   assert any(r["phase"] == "rl" and r["reward_mean"] is not None for r in ref)
-  if engine == "callback":
+  if variant == "gigpo":
     _ok(_launch(dir2, 2, engine, extra=extra))
     # every step advantage of this tiny run is 0 (no reward, constant penalties), so the anchor
     # ids are compared through gigpo/anchor_group_frac (step groups per valid step)
@@ -191,23 +192,23 @@ def test_two_processes_match_one(tmp_path, engine):
     assert "SIGTERM: checkpoint at step 3" in res[1][1]
     assert "stop requested on another process: checkpoint at step 3" in res[0][1]
     assert os.path.isdir(os.path.join(dir2, "checkpoints", "3"))
-    print(f"\n[{engine}] SIGTERM to process 1 after step 3: rc {[rc for rc, _ in res]}, "
+    print(f"\n[{variant}] SIGTERM to process 1 after step 3: rc {[rc for rc, _ in res]}, "
           f"checkpoints {sorted(os.listdir(os.path.join(dir2, 'checkpoints')))}")
     # Rerun: resumes from step 3; kill -9 of process 1 after step 5 (then of process 0).
     res = _launch(dir2, 2, engine, signal_at="SIGKILL@5", kill_rest_after_s=5.0)
     assert res[1][0] == -signal.SIGKILL
     assert "resumed from checkpoint step 3" in res[0][1], res[0][1][-3000:]
-    print(f"[{engine}] rerun resumed at step 3; kill -9 of process 1 after step 5: "
+    print(f"[{variant}] rerun resumed at step 3; kill -9 of process 1 after step 5: "
           f"rc {[rc for rc, _ in res]}")
     # Rerun: resumes from the last complete checkpoint and finishes.
     res = _launch(dir2, 2, engine)
     _ok(res)
     line = [l for l in res[0][1].splitlines() if "resumed from checkpoint" in l]
     assert line, res[0][1][-3000:]
-    print(f"[{engine}] rerun after kill -9: {line[0].strip()}")
+    print(f"[{variant}] rerun after kill -9: {line[0].strip()}")
   got = _metrics(dir2)
   worst = _compare(got, ref)
-  print(f"[{engine}] 2 processes x 2 devices vs 1 x 4: {len(got)} steps, "
+  print(f"[{variant}] 2 processes x 2 devices vs 1 x 4: {len(got)} steps, "
         f"{len([k for k in ref[-1] if not any(s in k for s in SKIP)])} keys per RL line, "
         f"max |diff| {worst:.3g}; last RL step: reward_mean {got[-1]['reward_mean']} vs "
         f"{ref[-1]['reward_mean']}, loss {got[-1]['loss']!r} vs {ref[-1]['loss']!r}")
@@ -217,10 +218,10 @@ def test_two_processes_match_one(tmp_path, engine):
   lines = [w[1] for w in w0 if w[0] == "write_metrics"]
   samples = [w[1] for w in w0 if w[0] == "write_samples"]
   counts = {f: sum(w[0] == f for w in w0) for f in ("write_metrics", "write_samples", "plot")}
-  print(f"[{engine}] writes: process 0 {counts} (metrics lines over all launches: "
+  print(f"[{variant}] writes: process 0 {counts} (metrics lines over all launches: "
         f"{len(lines)}, in the file: {len(got)}; samples {samples}); process 1: "
         f"{len(_writes(dir2, 1))}")
-  if engine == "callback":       # one launch: each line and each sample file written once
+  if variant == "gigpo":         # one launch: each line and each sample file written once
     assert lines == [f"step {r['step']} {r['phase']}" for r in got]
     assert samples == [f"step_{s:06d}.txt" for s in range(SFT + 1, SFT + RL + 1) if s % 2 == 0]
 

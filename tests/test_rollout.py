@@ -20,7 +20,6 @@ from gigrl.rollout import protocol
 from gigrl.rollout import trajectory as traj_lib
 from gigrl.data import tags
 from gigrl import testing
-from gigrl.rollout import callback
 from gigrl.rollout import engine as engine_lib
 from gigrl.rollout import turns
 from gigrl.search import base as search_base
@@ -38,7 +37,7 @@ class ScriptedPolicy:
     return prev_logits, cache
 
   @staticmethod
-  def copy_rows(cache, logits, src, dst):
+  def copy_rows(cache, logits, src, dst, **kw):
     return cache, logits
 
   def decode(self, graphdef, state, cache, logits, key, active, budget, *, max_new_tokens,
@@ -287,13 +286,13 @@ def test_rollout_reproduces_a_demonstration(monkeypatch, tok):
 def test_engines_are_rollout_engines_and_make_engine_dispatches(tok):
   args = (_Cfg(), None, tok, FakeRetriever(), SETTINGS)     # constructors compile nothing
   host = engine_lib.make_engine("host_loop", *args)
-  cb = engine_lib.make_engine("callback", *args, boundary="step")
-  assert isinstance(host, host_loop.HostLoopEngine) and isinstance(cb, callback.CallbackEngine)
-  assert isinstance(host, engine_lib.RolloutEngine) and isinstance(cb, engine_lib.RolloutEngine)
+  assert isinstance(host, host_loop.HostLoopEngine)
+  assert isinstance(host, engine_lib.RolloutEngine)
   with pytest.raises(ValueError, match="rollout.engine"):
     engine_lib.make_engine("vllm", *args)
-  with pytest.raises(ValueError, match="only apply to rollout.engine=callback"):
-    engine_lib.make_engine("host_loop", *args, boundary="step")
+  # the retired callback engine: an error that names the replacement
+  with pytest.raises(ValueError, match="retired in issue #50; use 'host_loop'"):
+    engine_lib.make_engine("callback", *args)
 
 
 def test_every_retriever_has_the_step_hooks():

@@ -25,7 +25,7 @@ from gigrl.testing import FakeRetriever
 
 SETTINGS = turns.RolloutSettings(max_turns=2, max_new_tokens=24, max_obs_tokens=80,
                                  max_prompt_tokens=256, topk_docs=2, greedy=True,
-                                 slot_bucket=32, width_bucket=16, decode_chunk=8)
+                                 slot_bucket=32, width_bucket=16, decode_chunk=8, row_buckets=4)
 SWITCHES = ("prefill_once_per_group", "shared_prefix", "compact_rows", "slot_bucket",
             "width_bucket", "decode_chunk")
 FIELDS = ("tokens", "loss_mask", "step_ids", "lengths", "search_calls", "num_steps")
@@ -49,7 +49,8 @@ def questions():
 
 def _run(model, tok, settings, questions, key=0):
   cfg, graphdef, state = model
-  engine = host_loop.HostLoopEngine(cfg, graphdef, tok, FakeRetriever(), settings)
+  engine = host_loop.HostLoopEngine(cfg, graphdef, tok, FakeRetriever(), settings,
+                                    distinct_rows=len(set(questions)))
   return engine.run(state, questions, jax.random.key(key))
 
 
@@ -251,7 +252,9 @@ def test_smollm2_greedy_on_equals_off_on_heldout_countries(smollm2_dir):
   # The base model acts invalidly here (no SFT yet), so every turn ends in an observation (the
   # invalid-action message): every row runs all turns, with observation extends between them.
   assert (off.num_steps == settings.max_turns + 1).all()
-  assert m_on["rollout/token_rows"] < 0.5 * m_off["rollout/token_rows"]
+  # Under half before #50; the bounded shape grid extends observations at the 128-token budget
+  # (rollout.obs_half off), here against the 52-token invalid-action message: 0.63 of all-off.
+  assert m_on["rollout/token_rows"] < 0.65 * m_off["rollout/token_rows"]
   differ = [i for i in range(len(questions))
             if not np.array_equal(on.tokens[i], off.tokens[i])]
   for i in differ:

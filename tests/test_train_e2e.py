@@ -68,15 +68,26 @@ def test_rerun_resumes_and_adds_nothing(run_dir):
   assert _metrics(run_dir) == before
 
 
-def test_all_estimators_compose_in_training_with_callback_engine(tmp_path):
+def test_all_estimators_compose_in_training(tmp_path):
   _train(tmp_path, "--config.advantage.outcome=stratified", "--config.advantage.step=gigpo",
          "--config.advantage.reweight=hadw", "--config.data.pool.rule=bounded_dapo",
-         "--config.rollout.engine=callback",
          "--config.data.pool.oversample=2")
   rows = _metrics(tmp_path)
   rl = [r for r in rows if r["phase"] == "rl"]
   assert len(rl) == 2
   assert all("strat/cross_stratum_bias" in r and "hadw/anchor" in r for r in rl)
+
+
+def test_the_retired_callback_engine_is_a_start_up_error(tmp_path):
+  """``rollout.engine=callback`` (retired in #50): one line naming the replacement, exit 2."""
+  proc = subprocess.run(
+      [sys.executable, "-m", "gigrl.cli.train", "--config", os.path.join(ROOT, "configs/smoke.py"),
+       "--workdir", str(tmp_path), "--config.rollout.engine=callback"],
+      capture_output=True, text=True, cwd=ROOT, timeout=300)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  err = [l for l in proc.stderr.splitlines() if l.strip()]
+  assert "Traceback" not in proc.stderr
+  assert "rollout.engine" in err[-1] and "host_loop" in err[-1], err[-1]
 
 
 def test_nonfinite_updates_are_skipped_counted_and_stop_the_run(tmp_path):

@@ -113,15 +113,26 @@ def test_width_comes_from_the_valid_groups_rows_only():
   assert none.shape == (P * G, 64) and none_mask.sum() == 0
 
 
-def test_lm_positions_are_the_trained_rows_generated_tokens_bucketed():
+def test_lm_positions_are_the_budget_at_most_w_minus_1():
+  """K is a function of W alone (one program per width of the grid, issue #50); packed rows
+  (``trim=True``) still take the trained rows' generated tokens, bucketed."""
   b = _batch()
   _, mask, _ = batch_lib.train_batch(b, ROWS, VALID, _advantages())
-  assert batch_lib.lm_positions(mask, 80) == 32          # 21 generated tokens at most
+  assert batch_lib.lm_positions(mask, 80) == 63          # the budget, at most W - 1 = 63
+  assert batch_lib.lm_positions(np.zeros((2, 160), np.float32), 80) == 80
+  assert batch_lib.lm_positions(np.ones((2, 40), np.float32), 80) == 39
+  assert batch_lib.lm_positions(mask, 80, trim=True) == 32          # 21 generated at most
   _, all_mask, _ = batch_lib.train_batch(b, ROWS, np.ones(P, bool), _advantages())
-  assert batch_lib.lm_positions(all_mask, 80) == 64      # the 60 of the filler rows count now
-  assert batch_lib.lm_positions(all_mask, 50) == 50      # capped at the bound
-  assert batch_lib.lm_positions(np.ones((2, 40), np.float32), 80) == 39   # and at W - 1
-  assert batch_lib.lm_positions(np.zeros((2, 64), np.float32), 80) == 32   # one bucket
+  assert batch_lib.lm_positions(all_mask, 80, trim=True) == 64      # the filler rows' 60
+  assert batch_lib.lm_positions(all_mask, 50, trim=True) == 50      # capped at the bound
+  assert batch_lib.lm_positions(np.zeros((2, 64), np.float32), 80, trim=True) == 32
+
+
+def test_update_widths_are_a_grid_of_four():
+  assert batch_lib.width_grid(160) == [64, 128, 160]
+  assert batch_lib.width_grid(656) == [192, 384, 512, 656]
+  assert [batch_lib.grid_width(w, 656) for w in (1, 192, 193, 400, 513, 900)] == [
+      192, 192, 384, 512, 656, 656]
 
 
 @pytest.mark.parametrize("train,mode", [
@@ -139,7 +150,7 @@ def test_trimmed_update_equals_the_untrimmed_one(train, mode):
   on = _update(cfg, policy, steps, b, trim=True)
   off = _update(cfg, policy, steps, b, trim=False)
   m_on, m_off = on[2], off[2]
-  assert (m_on["update/width"], m_on["update/lm_positions"]) == (64, 32)
+  assert (m_on["update/width"], m_on["update/lm_positions"]) == (64, 63)
   assert (m_off["update/width"], m_off["update/lm_positions"]) == (S, 80)
   assert m_on["train/updates"] == m_off["train/updates"] == update_lib.updates_per_step(
       cfg.train, P)
@@ -166,9 +177,9 @@ def test_a_step_that_compiles_says_so():
                   any(compiled)))
   finally:
     getattr(monitoring, "unregister_event_duration_listener", lambda _: None)(listener)
-  # the third batch has a row of 40 generated tokens (70 in all): W = 128, K = 64, new programs
-  assert got == [(64, 32, True, True), (64, 32, False, False), (128, 64, True, True),
-                 (64, 32, False, False), (S, 80, True, True), (S, 80, False, False)]
+  # the third batch has a row of 40 generated tokens (70 in all): W = 128, K = 80, new programs
+  assert got == [(64, 63, True, True), (64, 63, False, False), (128, 80, True, True),
+                 (64, 63, False, False), (S, 80, True, True), (S, 80, False, False)]
   m = _update(cfg, policy, steps, _batch(), trim=True, valid=np.zeros(P, bool))[2]
   assert (m["time/update_compile_s"], m["loss"]) == (0.0, 0.0)
 

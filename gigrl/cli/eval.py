@@ -207,7 +207,7 @@ def main(argv: Sequence[str]) -> int:
 
 def _evaluate_all(args, ks, samples) -> int:
   # pylint: disable=g-import-not-at-top
-  from gigrl import compile_cache
+  from gigrl.training import compile_cache
   from gigrl import config as config_lib
   from gigrl import search as search_lib
   from gigrl.config_utils import UserError

@@ -245,7 +245,7 @@ def main(argv: list[str]) -> None:
       cause = _cause_of_type(e, (UserError, SearchError))
       if cause is None:
         raise
-      fail(str(cause))   # e.g. the callback engine's CallbackRolloutError from a SearchError
+      fail(str(cause))   # e.g. a SearchError raised inside a rollout
   except (UsageError, UserError, SearchError) as e:
     fail(str(e))
   except KeyboardInterrupt:                  # before the trainer's own Ctrl-C handling

@@ -10,7 +10,7 @@ Split the model once, `graphdef, state = nnx.split(model)`, and call:
   budget or `max_new_tokens` steps pass;
 * `generate(...)` -- init cache + prefill + decode.
 
-Inside a caller's own jitted program (the callback rollout engine), the traceable
+Inside a caller's own jitted program, the traceable
 pieces are public: `model_extend_last` (extend on a merged model), `decode_step`
 (sample -> stop check -> cache extend, the body of `decode`'s loop) and `stop_hit`.
 
@@ -186,9 +186,9 @@ def extend_last(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
   return prev_logits.at[rows].set(logits, mode="drop"), put_rows(cache, rows, span, sub)
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def copy_rows(cache: KVCache, logits: jax.Array, src: jax.Array, dst: jax.Array
-              ) -> tuple[KVCache, jax.Array]:
+@functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames=("slots",))
+def copy_rows(cache: KVCache, logits: jax.Array, src: jax.Array, dst: jax.Array, *,
+              slots: int | None = None) -> tuple[KVCache, jax.Array]:
   """Copies cache rows and their next-token logits: row ``dst[i]`` becomes row ``src[i]``.
 
   How a group's G samples share one prefill (and a batch its common prefix): the prompt is
@@ -200,12 +200,15 @@ def copy_rows(cache: KVCache, logits: jax.Array, src: jax.Array, dst: jax.Array
     logits: f32[B, V] next-token logits (donated).
     src, dst: i32[N] row indices; ``dst`` entries >= B are padding (dropped), ``dst`` rows
       distinct and never a ``src`` row.
+    slots: static: only slots [0, slots) are copied (the written ones: a destination row's
+      later slots are written before any query reads them); None = all S_max slots.
   Returns:
-    (cache, logits) with the rows copied (all S_max slots, ``pos`` included).
+    (cache, logits) with the rows copied (``pos`` included).
   """
   src = jnp.clip(src, 0, logits.shape[0] - 1)
-  k = cache.k.at[:, dst].set(cache.k[:, src], mode="drop")
-  v = cache.v.at[:, dst].set(cache.v[:, src], mode="drop")
+  sl = slice(None) if slots is None else slice(0, int(slots))
+  k = cache.k.at[:, dst, sl].set(cache.k[:, src, sl], mode="drop")
+  v = cache.v.at[:, dst, sl].set(cache.v[:, src, sl], mode="drop")
   pos = cache.pos.at[dst].set(cache.pos[src], mode="drop")
   return KVCache(k, v, pos), logits.at[dst].set(logits[src], mode="drop")
 
@@ -327,7 +330,7 @@ def decode_step(feed: Callable, kv: Any, logits: jax.Array, window: jax.Array,
                 choose: Callable | None = None) -> StepOut:
   """One decode step: sample -> stop check -> cache extend (traceable, not jitted).
 
-  The body of `decode`'s loop and of the callback rollout engine's loop.
+  The body of `decode`'s loop.
 
   Args:
     feed: `feed(kv, tokens i32[B], active bool[B], logits f32[B, V]) -> (logits, kv)`
@@ -515,7 +518,8 @@ def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
            temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
            greedy: bool = False, rows: jax.Array | None = None,
            row_ids: jax.Array | None = None, span: int | None = None,
-           window: jax.Array | None = None, step0: int = 0) -> DecodeOut:
+           window: jax.Array | None = None, step0: int = 0,
+           lower_only: bool = False) -> DecodeOut:
   """Samples up to `max_new_tokens` tokens per row inside one `lax.while_loop`.
 
   Each step samples from `next_logits`, feeds the sampled token of every live row
@@ -547,14 +551,20 @@ def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
       (i32[B, L], a previous call's ``DecodeOut.window``; default none yet) so a stop sequence
       split between two calls still ends the turn, and the decode step the call starts at
       (the per-row key streams go on from it).
+    lower_only: trace and lower the program for these arguments' shapes and return it (a
+      ``jax.stages.Lowered``) without running it: its ``.compile()`` is a warm-up, after which
+      a call with the same shapes compiles nothing.
   Returns:
     DecodeOut (B rows); `logprobs` are raw-model temperature-1 log-probs (module docstring).
   """
-  return _decode(graphdef, state, cache, next_logits, rng, active, budget,
-                 as_stop_array(stop_sequences), jnp.float32(temperature), rows, row_ids,
-                 window, jnp.int32(step0),
-                 max_new_tokens=int(max_new_tokens), top_k=int(top_k),
-                 top_p=float(top_p), greedy=bool(greedy), span=span)
+  args = (graphdef, state, cache, next_logits, rng, active, budget,
+          as_stop_array(stop_sequences), jnp.float32(temperature), rows, row_ids,
+          window, jnp.int32(step0))
+  kw = dict(max_new_tokens=int(max_new_tokens), top_k=int(top_k), top_p=float(top_p),
+            greedy=bool(greedy), span=span)
+  if lower_only:
+    return _decode.lower(*args, **kw)
+  return _decode(*args, **kw)
 
 
 # --------------------------------------------------------------------------- generate

@@ -26,6 +26,8 @@ dimensions of activations, data and the KV cache go over ('data', 'fsdp').
 """
 from __future__ import annotations
 
+import functools
+
 import math
 from typing import Any, Mapping, Sequence
 
@@ -202,7 +204,15 @@ def shard_state(state: Any, mesh: Mesh, preset: str) -> Any:
   `device_put(x, replicated, may_alias=False)` still aliases device 0's buffer, so
   donating the result to a step would delete the caller's `state` arrays.
   """
-  return jax.jit(lambda s: s, out_shardings=param_shardings(state, mesh, preset))(state)
+  out = param_shardings(state, mesh, preset)
+  leaves, tree = jax.tree.flatten(out)
+  return _identity_to(tree, tuple(leaves))(state)
+
+
+@functools.lru_cache(maxsize=None)
+def _identity_to(tree, shardings: tuple):
+  """One jitted identity per output layout (compiled once, not per call)."""
+  return jax.jit(lambda s: s, out_shardings=jax.tree.unflatten(tree, list(shardings)))
 
 
 def init_sharded(cfg: ModelConfig, mesh: Mesh, preset: str, seed: int = 0):

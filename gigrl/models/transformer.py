@@ -60,10 +60,14 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, *,
   if sharding is None:
     return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt),
                    jnp.zeros((batch,), jnp.int32))
-  mk = jax.jit(lambda: KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt),
-                               jnp.zeros((batch,), jnp.int32)),
-               out_shardings=sharding)
-  return mk()
+  return _zeros_cache(shape, dt, sharding)()
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_cache(shape: tuple, dt, sharding) -> Callable[[], KVCache]:
+  """One jitted zero-cache maker per (shape, dtype, sharding): compiled once, not per call."""
+  return jax.jit(lambda: KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt),
+                                 jnp.zeros((shape[1],), jnp.int32)), out_shardings=sharding)
 
 
 # --------------------------------------------------------------------------- maths

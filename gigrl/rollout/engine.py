@@ -2,15 +2,15 @@
 
 An engine turns a batch of questions into a :class:`~gigrl.rollout.trajectory.TrajectoryBatch` of
 Search-R1 trajectories (prompt, then per turn the generated tokens and the observation) with the
-policy's current parameters. Two engines implement it:
+policy's current parameters. One engine implements it, the one rollout core:
 
-  * ``host_loop`` (:class:`gigrl.rollout.host_loop.HostLoopEngine`): one jitted decode per turn,
-    the host parses actions and searches between turns;
-  * ``callback`` (:class:`gigrl.rollout.callback.CallbackEngine`): the whole rollout is one jitted
-    program; turn boundaries call the host through ``io_callback``.
+  * ``host_loop`` (:class:`gigrl.rollout.host_loop.HostLoopEngine`): jitted prefill, extend,
+    decode and copy programs from a bounded shape grid (:mod:`gigrl.rollout.shapes`), all
+    compiled before the first step; the host parses actions and searches between turns.
 
-Both share the turn dispatch and the decode step (:mod:`gigrl.rollout.turns`,
-:func:`gigrl.models.sampler.decode_step`), so they produce the same batch for greedy decoding.
+The ``callback`` engine (one jitted program per batch, the search through ``io_callback``) was
+retired in issue #50; ``rollout.engine=callback`` is a start-up error naming ``host_loop``
+(docs/architecture.md gives the reasons).
 """
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ from gigrl.rollout.trajectory import TrajectoryBatch
 
 RolloutSettings = turns.RolloutSettings
 settings_from_config = turns.settings_from_config
-ENGINES = ("host_loop", "callback")
+ENGINES = ("host_loop",)
+RETIRED = {"callback": "the callback engine was retired in issue #50; use 'host_loop', the one "
+                       "rollout core (every saving, every program compiled before step 1)"}
 
 
 @runtime_checkable
@@ -52,38 +54,34 @@ class RolloutEngine(Protocol):
       ``rollout/retriever_calls`` (counts).
     Raises:
       ValueError: a prompt is longer than ``settings.max_prompt_tokens``, or the retriever
-        returned a wrong number of result lists (the callback engine raises errors of the
-        host side as ``CallbackRolloutError`` chained to them).
+        returned a wrong number of result lists.
     """
     ...
 
 
 def make_engine(kind: str, model_cfg, graphdef, tokenizer, retriever,
                 settings: RolloutSettings, *, mesh: jax.sharding.Mesh | None = None,
-                **callback_kw) -> RolloutEngine:
-  """``rollout.engine`` dispatch: ``'host_loop'`` or ``'callback'``.
+                prompt_stats=None, distinct_rows: int | None = None) -> RolloutEngine:
+  """``rollout.engine`` dispatch: ``'host_loop'``.
 
   Args:
-    kind: ``'host_loop'`` or ``'callback'``.
+    kind: ``'host_loop'``.
     model_cfg, graphdef: the policy's ``ModelConfig`` and ``nnx.GraphDef``.
     tokenizer: a :class:`gigrl.data.tokenizer.Tokenizer`.
     retriever: a :class:`gigrl.search.base.Retriever`.
     settings: rollout options (:class:`RolloutSettings`).
-    mesh: the devices to roll out on (host loop: the KV cache is sharded over its axes;
-      callback: the batch is split over all its devices). Default: no mesh / all devices.
-    callback_kw: ``boundary``, ``obs_chunk`` for :class:`CallbackEngine` only.
+    mesh: the devices to roll out on (the KV cache is sharded over its axes). Default: no mesh.
+    prompt_stats, distinct_rows: the shape grid's prompt lengths and distinct prompts per
+      batch (:class:`gigrl.rollout.host_loop.HostLoopEngine`).
   Raises:
-    ValueError: unknown ``kind``, or ``callback_kw`` given for the host loop.
+    ValueError: unknown or retired ``kind`` (the message names the replacement).
   """
-  # Imported here: both engine modules import this package's shared modules.
-  from gigrl.rollout import callback  # pylint: disable=import-outside-toplevel
+  # Imported here: the engine module imports this package's shared modules.
   from gigrl.rollout import host_loop  # pylint: disable=import-outside-toplevel
   if kind == "host_loop":
-    if callback_kw:
-      raise ValueError(f"options {sorted(callback_kw)} only apply to rollout.engine=callback")
     return host_loop.HostLoopEngine(model_cfg, graphdef, tokenizer, retriever, settings,
-                                    mesh=mesh)
-  if kind == "callback":
-    return callback.CallbackEngine(model_cfg, graphdef, tokenizer, retriever, settings,
-                                   mesh=mesh, **callback_kw)
+                                    mesh=mesh, prompt_stats=prompt_stats,
+                                    distinct_rows=distinct_rows)
+  if kind in RETIRED:
+    raise ValueError(f"rollout.engine={kind!r}: {RETIRED[kind]}")
   raise ValueError(f"rollout.engine={kind!r}; expected one of {ENGINES}")

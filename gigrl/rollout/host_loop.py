@@ -19,9 +19,11 @@ import time
 from typing import Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from gigrl import progress
+from gigrl.rollout import progress
+from gigrl.rollout import shapes
 from gigrl.models import sampler as sampler_lib
 from gigrl.models import sharding as sharding_lib
 from gigrl.models import transformer as tfm
@@ -30,13 +32,22 @@ from gigrl.rollout import turns
 
 
 class HostLoopEngine:
-  """Runs batches of Search-R1 rollouts with a host loop over turns (a :class:`RolloutEngine`)."""
+  """Runs batches of Search-R1 rollouts with a host loop over turns (a :class:`RolloutEngine`).
+
+  Its jitted calls take their static shapes from a bounded grid (:class:`shapes.Grid`), so
+  :meth:`plan` lists every program a batch size can execute and :meth:`warmup` compiles them
+  all before the first rollout."""
 
   def __init__(self, model_cfg, graphdef, tokenizer, retriever, settings: turns.RolloutSettings,
-               mesh=None):
+               mesh=None, prompt_stats: shapes.PromptStats | None = None,
+               distinct_rows: int | None = None):
     """``mesh``: if given, the KV cache is sharded over it (rows over ('data', 'fsdp'),
     KV heads over 'tp'), matching params laid out on the same mesh. On several processes it
-    defaults to all devices on 'fsdp'.
+    defaults to all devices on 'fsdp'. ``prompt_stats``: the lengths and shared prefix of every
+    prompt the engine will roll out (:func:`turns.prompt_stats_of`; the widths and spans of the
+    grid); None: taken from the first batch, and widened (with new programs) for a batch
+    outside them. ``distinct_rows``: the most distinct prompts a batch holds (an RL step's
+    candidate prompts per process; :class:`shapes.Grid`).
 
     Raises:
       ConfigError: a token budget of ``settings`` that this tokenizer's texts do not fit
@@ -49,23 +60,87 @@ class HostLoopEngine:
     self.stops = turns.stop_sequences(tokenizer)
     turns.check_settings(tokenizer, settings)
     self.invalid_ids = traj_lib.invalid_observation_ids(tokenizer)
-    self.programs: set[tuple] = set()   # static shapes met so far: one compiled program each
+    self.prompt_stats, self.distinct_rows = prompt_stats, distinct_rows
+    self.programs: set[shapes.Program] = set()   # static shapes met so far: one program each
+    self.widened = 0                             # batches that fell outside prompt_stats
 
-  def run(self, params, questions: Sequence[str], key: jax.Array
+  # ---- the program set ------------------------------------------------------------------
+
+  def grid(self, b: int) -> shapes.Grid:
+    """The shape grid of ``b`` rows per process (needs ``prompt_stats``)."""
+    if self.prompt_stats is None:
+      raise ValueError("HostLoopEngine.grid: no prompt_stats yet (pass them, or run a batch)")
+    d = jax.local_device_count() if self.mesh is not None else 1
+    return shapes.Grid(self.s, b, d, self.prompt_stats, self.distinct_rows)
+
+  def plan(self, b: int) -> list[shapes.Program]:
+    """Every program a call of :meth:`run` with ``b`` rows per process can execute
+    (:meth:`shapes.Grid.programs`)."""
+    return self.grid(b).programs()
+
+  def lower(self, params, b: int, prog: shapes.Program):
+    """Traces and lowers ``prog`` (of :meth:`plan` of ``b``) for ``params``, without running
+    it: ``.compile()`` of the result (``jax.stages.Lowered``) compiles it, after which a
+    :meth:`run` that meets it compiles nothing (jax's own caches hold it)."""
+    s = self.s
+    if getattr(self, "_dummies", (None,))[0] != b:
+      self.batch_rows = b
+      # the buffers every rollout starts from (their eager zeros compile here too), and the
+      # loop's eager key split
+      _, sub = jax.random.split(jax.random.key(0))
+      self._dummies = (b, self._init_cache(b, s.seq_len + 1), self._logits0(b), sub,
+                       self._rows(np.arange(b, dtype=np.int32)))
+    self.batch_rows = b
+    _, cache, logits, key, row_ids = self._dummies
+    r = prog.rows or b
+    span = prog.span or None
+    none = np.zeros(0, np.int64)
+    if prog.kind in ("prefill", "extend"):
+      toks = self._rows(np.zeros((r, prog.width), np.int32))
+      lens = self._rows(np.zeros((r,), np.int32))
+      idx = self._global_index(none, r) if prog.rows else None
+      return sampler_lib.extend_last.lower(self.graphdef, params, cache, toks, lens, logits, idx,
+                                           span=span)
+    if prog.kind == "copy_rows":
+      return sampler_lib.copy_rows.lower(cache, logits, self._global_index(none, r, fill=0),
+                                         self._global_index(none, r), slots=span)
+    if prog.kind == "decode":
+      idx = self._global_index(none, r) if prog.rows else None
+      window = (self._rows(np.full((b, self.stops.shape[1]), -2, np.int32))
+                if prog.resume else None)
+      return sampler_lib.decode(
+          self.graphdef, params, cache, logits, key, self._rows(np.zeros((b,), bool)),
+          self._rows(np.zeros((b,), np.int32)), max_new_tokens=prog.width,
+          stop_sequences=self.stops, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+          greedy=s.greedy, rows=idx, row_ids=row_ids, span=span, window=window,
+          step0=1 if prog.resume else 0, lower_only=True)
+    raise ValueError(f"unknown program kind {prog.kind!r}")
+
+  def warmup(self, params, b: int) -> None:
+    """Compiles every program of :meth:`plan` of ``b`` (one after another)."""
+    for prog in self.plan(b):
+      self.lower(params, b, prog).compile()
+
+  # ---- a rollout ------------------------------------------------------------------------
+
+  def run(self, params, questions: Sequence[str | None], key: jax.Array
           ) -> tuple[traj_lib.TrajectoryBatch, dict[str, float]]:
     """Rolls out one trajectory per question (see :meth:`RolloutEngine.run`).
 
     What is computed follows the settings' switches (each saving can be turned off; the
     trajectories are the same either way, up to float rounding): a group's prompt is prefilled
-    once and its KV rows copied (``prefill_once_per_group``), the batch's common prompt prefix
-    once (``shared_prefix``), observation extends and decode turns run only the rows that need
-    them (``compact_rows``), at widths rounded to ``width_bucket`` tokens, and attention reads
-    only the written slots, rounded to ``slot_bucket``. Each row samples from its own key
-    stream (``fold_in(turn key, global row id)``), so compaction never changes a sample.
+    once and its KV rows copied (``prefill_once_per_group``), the prompts' common prefix
+    once, on one row (``shared_prefix``), observation extends and decode turns run only the
+    rows that need them (``compact_rows``), prompt tails as wide as the longest one
+    (``width_bucket``), and attention and copies touch only the slots a call can have written
+    (``slot_bucket``). Every static shape comes from :meth:`grid`. Each row samples from its
+    own key stream (``fold_in(turn key, global row id)``), so compaction never changes a sample.
 
     Args:
       params: the policy's ``nnx.State``.
-      questions: this process's B question strings (one process: the whole batch).
+      questions: this process's B question strings (one process: the whole batch); ``None``
+        marks a padding row (an evaluation's last batch): it gets no prompt, is never
+        computed and comes back empty.
       key: PRNG key, the same on every process; the rollout is deterministic given it.
     Returns:
       (batch of this process's B rows, metrics): wall seconds ``time/prefill_s``,
@@ -74,8 +149,8 @@ class HostLoopEngine:
       ``rollout/decode_steps/turn=t`` (decode loop iterations); ``rollout/token_rows`` (token
       rows computed: prefill, extend and decode, padding included), ``rollout/real_tokens``
       (the real tokens among them), ``rollout/padding_frac`` (1 - real / computed),
-      ``time/rollout_compile_s`` (seconds jax compiled in this rollout: > 0 when it met a new
-      static shape; the shapes met so far are ``engine.programs``),
+      ``time/rollout_compile_s`` (seconds jax compiled in this rollout: 0 after
+      :meth:`warmup`; the shapes met so far are ``engine.programs``),
       ``rollout/trajectory_tokens`` (prompt, observation and generated tokens of the
       trajectories: what every saving off computes without padding; with a group's prompt
       prefilled once, ``token_rows`` can be below it); ``rollout/generated_tokens`` and
@@ -83,22 +158,28 @@ class HostLoopEngine:
     """
     s, b = self.s, len(questions)
     self.batch_rows = b
+    real = np.array([q is not None for q in questions], bool)
     records = [traj_lib.TrajectoryBuilder() for _ in range(b)]
-    prompts = turns.encode_prompts(self.tok, questions, s.max_prompt_tokens)
-    for rec, ids, q in zip(records, prompts, questions):
-      rec.add_prompt(ids, anchor=q)
+    given = turns.encode_prompts(self.tok, [q for q in questions if q is not None],
+                                 s.max_prompt_tokens)
+    prompts: list[list[int]] = [[] for _ in range(b)]
+    for i, ids in zip(np.flatnonzero(real), given):
+      prompts[i] = ids
+      records[i].add_prompt(ids, anchor=questions[i])
+    self._fit_stats(given)
+    grid = self.grid(b)
     work = {"time/prefill_s": 0.0, "time/extend_s": 0.0, "time/decode_s": 0.0,
             "time/search_s": 0.0, "rollout/token_rows": 0.0, "rollout/real_tokens": 0.0,
             "rollout/trajectory_tokens": 0.0}
     s_max = s.seq_len + 1
     t0, c0 = time.perf_counter(), progress.compile_seconds()
-    progress.report(f"rollout: prefill {b} rows")
-    logits = self._rows(np.zeros((b, self.model_cfg.vocab_size), np.float32))
-    cache = self._init_cache(logits.shape[0], s_max)
+    progress.report(f"rollout: prefill {int(real.sum())} rows")
+    logits = self._logits0(b)
+    cache = self._init_cache(b, s_max)
     pos = np.zeros((b,), np.int64)          # host copy of each row's cache length
-    logits, cache = self._prefill(params, cache, logits, prompts, pos, work)
+    logits, cache = self._prefill(params, cache, logits, prompts, real, pos, work, grid)
     work["time/prefill_s"] = _synced(logits, t0)
-    active = np.ones((b,), bool)
+    active = real.copy()
     row_ids = self._rows(np.arange(b, dtype=np.int32) + np.int32(jax.process_index() * b))
     calls = 0
     for turn in range(s.max_turns + 1):
@@ -107,7 +188,7 @@ class HostLoopEngine:
       live = np.flatnonzero(active)
       progress.report(f"rollout turn {turn + 1}/{s.max_turns + 1}: decode {len(live)} rows")
       cache, logits, gen = self._decode_turn(params, cache, logits, sub, active, pos, row_ids,
-                                             turn, work)
+                                             turn, work, grid)
       work["time/decode_s"] += time.perf_counter() - t0
       outcome = turns.dispatch_turn(
           [records[i] for i in live], [gen[i] for i in live],
@@ -123,7 +204,8 @@ class HostLoopEngine:
       t0 = time.perf_counter()
       progress.report(f"rollout turn {turn + 1}/{s.max_turns + 1}: "
                       f"{outcome.queries} searches, extend observations")
-      logits, cache = self._extend_observations(params, cache, logits, obs, pos, work)
+      logits, cache = self._extend_observations(params, cache, logits, obs, pos, work, grid,
+                                                turn)
       work["time/extend_s"] += _synced(logits, t0)
     batch = traj_lib.collate(records, s.seq_len, self.tok.pad_id)
     work["rollout/decode_steps"] = float(sum(v for k, v in work.items()
@@ -134,35 +216,50 @@ class HostLoopEngine:
                "rollout/retriever_calls": float(calls)}
     return batch, metrics
 
+  def _fit_stats(self, prompts: list[list[int]]) -> None:
+    """Takes ``prompt_stats`` from the first batch, or widens them for a batch outside them
+    (its shapes were not planned: they compile in this call; ``self.widened`` counts them).
+    Collective on several processes: every process takes the same stats."""
+    mine = shapes.prompt_stats(prompts) if prompts else None
+    if self.prompt_stats is not None:
+      if not turns.any_process(not self.prompt_stats.covers(prompts)):
+        return
+      self.widened += 1
+      mine = self.prompt_stats if mine is None else self.prompt_stats.merge(mine)
+    elif mine is None:
+      mine = shapes.PromptStats(1, 0)
+    # the same stats on every process: the longest prompt, the shortest prefix
+    self.prompt_stats = shapes.PromptStats(self._agree(mine.max_len), -self._agree(-mine.prefix))
+
   # ---- what is computed ------------------------------------------------------------------
 
-  def _decode_turn(self, params, cache, logits, key, active, pos, row_ids, turn, work):
+  def _decode_turn(self, params, cache, logits, key, active, pos, row_ids, turn, work, grid):
     """Decodes one turn of the ``active`` rows; returns (cache, logits, per-row token lists).
 
-    In chunks of ``rollout.decode_chunk`` steps (0: the whole turn in one call): after each
-    chunk the rows whose turn ended (a stop sequence, the budget, a full cache) leave the batch
-    (with ``compact_rows``), so a row that answered in 10 tokens does not run the turn's other
-    38 steps. The stop check's window and the per-row key streams continue across chunks, so
-    the tokens are those of one whole-turn call. ``pos`` is advanced in place."""
+    In calls of :meth:`shapes.Grid.turn_calls` (``rollout.decode_chunk`` steps, or the whole
+    turn): after each chunk the rows whose turn ended (a stop sequence, the budget, a full
+    cache) leave the batch (with ``compact_rows``), so a row that answered in 10 tokens does
+    not run the turn's other 38 steps. The stop check's window and the per-row key streams
+    continue across chunks, so the tokens are those of one whole-turn call. ``pos`` is
+    advanced in place."""
     s, b = self.s, len(active)
     s_max = s.seq_len + 1
     n_max = s.max_new_tokens
-    chunk = s.decode_chunk if (s.decode_chunk and s.compact_rows) else n_max
     going = active.copy()
     left = np.where(active, n_max, 0).astype(np.int32)
     gen: list[list[int]] = [[] for _ in range(b)]
-    window, step, steps = None, 0, 0
-    while True:
-      n = min(chunk, n_max - step)
+    window, steps = None, 0
+    for step, n in grid.turn_calls():
       live = np.flatnonzero(going)
-      rows = self._compact(live) if s.compact_rows else None
-      span = self._span(int(pos[live].max(initial=0)) + n, s_max)
-      self._program("decode", b if rows is None else len(rows), n, span)
+      rows = self._compact(live, grid) if s.compact_rows else None
+      span = grid.decode_span(turn, step, n)
+      self._program(shapes.Program("decode", 0 if rows is None else len(rows)
+                                   // jax.process_count(), n, span, step > 0))
       out = sampler_lib.decode(
           self.graphdef, params, cache, logits, key, self._rows(going), self._rows(left),
           max_new_tokens=n, stop_sequences=self.stops, temperature=s.temperature,
           top_p=s.top_p, top_k=s.top_k, greedy=s.greedy, rows=rows, row_ids=row_ids,
-          span=span, window=window, step0=step)
+          span=span or None, window=window, step0=step)
       cache, logits, window = out.cache, out.next_logits, out.window
       toks, lens = self._local(out.tokens), self._local(out.lengths)
       stopped = self._local(out.stopped)
@@ -176,117 +273,109 @@ class HostLoopEngine:
       pos += lens
       left -= lens.astype(np.int32)
       going &= ~stopped.astype(bool) & (left > 0) & (pos < s_max)
-      step += n
-      if step >= n_max or not turns.any_process(going.any()):
+      if not turns.any_process(going.any()):
         break
     work[f"rollout/decode_steps/turn={turn}"] = float(steps)
     return cache, logits, gen
 
+  def _prefill(self, params, cache, logits, prompts, real, pos, work, grid):
+    """Writes every real row's prompt into the cache; returns (logits f32[B, V], cache).
 
-  def _prefill(self, params, cache, logits, prompts, pos, work):
-    """Writes every row's prompt into the cache; returns (logits f32[B, V], cache).
-
-    Distinct prompts are extended once each (``prefill_once_per_group``; other rows get a
-    copy of their first occurrence's KV rows and logits), after the common prefix of the
-    batch's distinct prompts was extended once on one row and copied
-    (``shared_prefix``; at least one token of every prompt is left to the second extend, which
-    gives each row its own next-token logits)."""
+    With ``shared_prefix`` the prompts' common prefix (``grid.prefix()`` tokens, the same
+    for every batch) is extended once, on one row, and its slots copied to every row; with
+    ``prefill_once_per_group`` each distinct prompt's tail is extended once and the other rows
+    get a copy of their first occurrence's KV rows and logits."""
     s, b = self.s, len(prompts)
     work["rollout/trajectory_tokens"] += float(sum(len(p) for p in prompts))
     pos[:] = [len(p) for p in prompts]
     first: dict[tuple, int] = {}
     rep = np.array([first.setdefault(tuple(p), i) if s.prefill_once_per_group else i
                     for i, p in enumerate(prompts)], np.int64)
-    reps = np.flatnonzero(rep == np.arange(b))
-    cut = 0
-    if s.shared_prefix and len(reps) > 1:
-      cut = min(_common_prefix([prompts[i] for i in reps]), min(len(prompts[i]) for i in reps) - 1)
-    if self._agree(cut) > 0:
-      head = [list(prompts[reps[0]][:cut])] if cut else []
-      width = self._agree(s.width(cut, s.max_prompt_tokens))
-      logits, cache = self._extend(params, cache, logits, head, reps[:len(head)], width,
-                                   compact=True, work=work)
-      cache, logits = self._copy(cache, logits, np.full(len(reps) - 1, reps[0]) if cut
-                                 else np.zeros(0, np.int64), reps[1:] if cut else reps[:0], work)
+    reps = np.flatnonzero((rep == np.arange(b)) & real)
+    cut = grid.prefix()
+    if cut:
+      head = [list(prompts[reps[0]][:cut])] if len(reps) else []
+      logits, cache = self._extend(params, cache, logits, head, reps[:len(head)], cut,
+                                   grid.span(cut), compact=True, work=work, grid=grid,
+                                   n_rows=grid.d)
+      others = np.setdiff1d(np.flatnonzero(real), reps[:1])
+      cache, logits = self._copy(cache, logits, np.full(len(others), reps[0] if len(reps)
+                                                         else 0), others, grid.span(cut), grid)
     tails = [list(prompts[i][cut:]) for i in reps]
-    width = self._agree(s.width(max(len(t) for t in tails), s.max_prompt_tokens))
     compact = s.compact_rows or s.prefill_once_per_group or s.shared_prefix
-    logits, cache = self._extend(params, cache, logits, tails, reps, width, compact=compact,
-                                 work=work, end=int(pos.max(initial=0)))
-    dups = np.flatnonzero(rep != np.arange(b))
-    cache, logits = self._copy(cache, logits, rep[dups], dups, work)
+    logits, cache = self._extend(params, cache, logits, tails, reps, grid.tail_width(),
+                                 grid.prompt_span(), compact=compact, work=work, grid=grid)
+    dups = np.flatnonzero((rep != np.arange(b)) & real)
+    if s.prefill_once_per_group:
+      cache, logits = self._copy(cache, logits, rep[dups], dups, grid.prompt_span(), grid)
     return logits, cache
 
-  def _extend_observations(self, params, cache, logits, obs, pos, work):
+  def _extend_observations(self, params, cache, logits, obs, pos, work, grid, turn):
     """Extends each row's observation (rows without one: only with ``compact_rows`` off)."""
     s, b = self.s, len(obs)
     has = np.flatnonzero([len(o) > 0 for o in obs])
-    width = self._agree(s.width(max((len(o) for o in obs), default=0), s.obs_width))
     work["rollout/trajectory_tokens"] += float(sum(len(o) for o in obs))
-    end = int((pos + [len(o) for o in obs]).max(initial=0))
+    span = grid.obs_span(turn)
+    width = grid.obs_width(self._agree(max((len(o) for o in obs), default=0)))
     if s.compact_rows:
-      out = self._extend(params, cache, logits, [obs[i] for i in has], has, width,
-                         compact=True, work=work, end=end)
+      out = self._extend(params, cache, logits, [obs[i] for i in has], has, width, span,
+                         compact=True, work=work, grid=grid, kind="extend")
     else:
-      out = self._extend(params, cache, logits, obs, np.arange(b), width, compact=False,
-                         work=work, end=end)
+      out = self._extend(params, cache, logits, obs, np.arange(b), width, span,
+                         compact=False, work=work, grid=grid, kind="extend")
     pos += [len(o) for o in obs]
     return out
 
-  def _extend(self, params, cache, logits, rows_tokens, rows, width, *, compact, work,
-              end=None):
-    """One ``extend_last`` of ``rows_tokens`` (token lists) into local ``rows`` at ``width``.
+  def _extend(self, params, cache, logits, rows_tokens, rows, width, span, *, compact, work,
+              grid, kind="prefill", n_rows=None):
+    """One ``extend_last`` of ``rows_tokens`` (token lists) into local ``rows`` at ``width``
+    tokens over ``span`` slots (0: all).
 
-    ``compact``: only those rows are computed (their count rounded up, :meth:`_compact`);
-    else every row of the batch, ``rows`` being all of them."""
+    ``compact``: only those rows are computed (their count rounded up, :meth:`_compact`, or
+    ``n_rows``); else every row of the batch, ``rows`` being all of them (padding rows get no
+    tokens)."""
     b = logits.shape[0] // jax.process_count()
-    end = width if end is None else end
-    span = self._span(end, self.s.seq_len + 1)
     if compact:
-      idx = self._compact(np.asarray(rows, np.int64))
+      local = np.asarray(rows, np.int64)
+      idx = (self._compact(local, grid, tails=kind == "prefill") if n_rows is None
+             else self._global_index(local, int(n_rows)))
       n = self._local_count(idx)
       toks, lens = turns.pad_rows(rows_tokens, n, width, self.tok.pad_id)
       work["rollout/token_rows"] += float(n * width)
       work["rollout/real_tokens"] += float(lens.sum())
-      self._program("extend", len(idx), width, span)
+      self._program(shapes.Program(kind, n, width, span))
       return sampler_lib.extend_last(self.graphdef, params, cache, self._rows(toks),
-                                     self._rows(lens), logits, idx, span=span)
-    toks, lens = turns.pad_rows(rows_tokens, b, width, self.tok.pad_id)
+                                     self._rows(lens), logits, idx, span=span or None)
+    full = [[] for _ in range(b)]
+    for i, t in zip(rows, rows_tokens):
+      full[i] = t
+    toks, lens = turns.pad_rows(full, b, width, self.tok.pad_id)
     work["rollout/token_rows"] += float(b * width)
     work["rollout/real_tokens"] += float(lens.sum())
-    self._program("extend", None, width, span)
+    self._program(shapes.Program(kind, 0, width, span))
     return sampler_lib.extend_last(self.graphdef, params, cache, self._rows(toks),
-                                   self._rows(lens), logits, span=span)
+                                   self._rows(lens), logits, span=span or None)
 
-  def _copy(self, cache, logits, src, dst, work):
-    """Copies local rows ``src`` to local rows ``dst`` (KV rows and logits); a no-op when no
-    process has any."""
-    n = self._agree(len(dst))
-    if n == 0:
+  def _copy(self, cache, logits, src, dst, span, grid):
+    """Copies local rows ``src`` to local rows ``dst`` (KV slots [0, span) and logits), in a
+    call of all B rows (``dst`` padded); a no-op when no process has any."""
+    if self._agree(len(dst)) == 0:
       return cache, logits
-    n = self._row_bucket(n)
-    self._program("copy_rows", n)
+    n = grid.b
+    self._program(shapes.Program("copy_rows", n, 0, span))
     return sampler_lib.copy_rows(cache, logits, self._global_index(src, n, fill=0),
-                                 self._global_index(dst, n))
+                                 self._global_index(dst, n), slots=span or None)
 
-  def _program(self, *shape) -> None:
+  def _program(self, prog: shapes.Program) -> None:
     """Records a call's static shape in ``self.programs`` (one compiled program each)."""
-    self.programs.add(shape)
+    self.programs.add(prog)
 
-  def _compact(self, local: np.ndarray) -> np.ndarray:
+  def _compact(self, local: np.ndarray, grid: shapes.Grid, tails: bool = False) -> np.ndarray:
     """Global row indices (identical on every process) of each process's ``local`` rows, each
-    process's list padded with an out-of-range row to the same bucketed count."""
-    return self._global_index(local, self._row_bucket(self._agree(len(local))))
-
-  def _row_bucket(self, n: int) -> int:
-    """Rows computed for ``n`` needed (per process): rounded up to a multiple of an eighth of
-    the process's B rows (and of its local devices), so a kind of call compiles at most 8
-    programs, whatever the rows left."""
-    b = self.batch_rows
-    d = jax.local_device_count() if self.mesh is not None else 1
-    q = d * max(1, -(-b // (8 * d)))
-    return min(b, max(q, -(-int(n) // q) * q))
-
+    process's list padded with an out-of-range row to the same bucketed count (``tails``:
+    :meth:`shapes.Grid.tail_rows`)."""
+    n = self._agree(len(local))
+    return self._global_index(local, grid.tail_rows(n) if tails else grid.rows(n))
   def _global_index(self, local: np.ndarray, n: int, fill: int | None = None) -> np.ndarray:
     b, p = self.batch_rows, jax.process_count()
     pad = b * p if fill is None else fill
@@ -307,9 +396,6 @@ class HostLoopEngine:
   def _local_count(self, idx: np.ndarray) -> int:
     return len(idx) // jax.process_count()
 
-  def _span(self, needed: int, max_len: int) -> int | None:
-    return sampler_lib.span_slots(self._agree(needed), max_len, self.s.slot_bucket)
-
   @staticmethod
   def _agree(x: int) -> int:
     """The largest ``x`` over processes (static shapes must be equal on every process)."""
@@ -322,6 +408,16 @@ class HostLoopEngine:
       return local
     global_shape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
     return turns.global_rows(local, sharding_lib.batch_sharding(self.mesh, global_shape))
+
+  def _logits0(self, b: int):
+    """Zero next-token logits f32[B, V] to start a rollout, laid out as every later call's
+    (so the first call compiles the same program as :meth:`warmup`)."""
+    if jax.process_count() > 1:
+      return self._rows(np.zeros((b, self.model_cfg.vocab_size), np.float32))
+    x = jnp.zeros((b, self.model_cfg.vocab_size), jnp.float32)
+    if self.mesh is None:
+      return x
+    return jax.device_put(x, sharding_lib.batch_sharding(self.mesh, x.shape))
 
   def _init_cache(self, batch: int, max_len: int):
     if self.mesh is None:

@@ -39,9 +39,11 @@ class ProcessShare:
     # run_rl; rows per process None = the batch is global (one process, or groups split)
     self._local: tuple[Any, int, int | None] | None = None
 
-  def _padded(self, questions) -> list:
+  def _padded(self, questions, fill: Any = None) -> list:
+    """``questions`` padded to a multiple of the processes and batch axes with ``fill`` (None:
+    an empty row the engine never computes)."""
     multiple = int(np.lcm(jax.process_count(), self.rows_multiple))
-    return list(questions) + [questions[-1]] * (-len(questions) % multiple)
+    return list(questions) + [fill] * (-len(questions) % multiple)
 
   @staticmethod
   def _cut(batch, n: int):
@@ -85,7 +87,7 @@ class ProcessShare:
       batch, metrics = self.engine.run(params, questions, key)
       self._local = (batch, 0, None)
       return batch, row_fn(batch, 0), metrics
-    padded = self._padded(questions)
+    padded = self._padded(questions, fill=questions[-1])   # (row_fn reads every row)
     share = distributed.process_rows(len(padded))
     local, metrics = self.engine.run(params, padded[share], key)
     per = share.stop - share.start

@@ -1,4 +1,4 @@
-"""What both rollout engines share: settings, prompts, stop sequences and the turn dispatch.
+"""The rollout core's shared pieces: settings, prompts, stop sequences and the turn dispatch.
 
 Protocol: Search-R1 ``search_r1/llm_agent/generation.py``: ``max_turns`` turns with search, then
 one final turn in which a search gets no observation.
@@ -35,9 +35,11 @@ class RolloutSettings:
   prefill_once_per_group: bool = True
   shared_prefix: bool = True
   compact_rows: bool = True
-  slot_bucket: int = 128
+  slot_bucket: int = 16
   width_bucket: int = 32
   decode_chunk: int = 0
+  row_buckets: int = 2
+  obs_half: bool = False
 
   @property
   def obs_width(self) -> int:
@@ -74,9 +76,11 @@ def settings_from_config(cfg_rollout: Any, topk_docs: int) -> RolloutSettings:
       prefill_once_per_group=bool(cfg_rollout.get("prefill_once_per_group", True)),
       shared_prefix=bool(cfg_rollout.get("shared_prefix", True)),
       compact_rows=bool(cfg_rollout.get("compact_rows", True)),
-      slot_bucket=int(cfg_rollout.get("slot_bucket", 128)),
+      slot_bucket=int(cfg_rollout.get("slot_bucket", 16)),
       width_bucket=int(cfg_rollout.get("width_bucket", 32)),
-      decode_chunk=int(cfg_rollout.get("decode_chunk", 0)))
+      decode_chunk=int(cfg_rollout.get("decode_chunk", 0)),
+      row_buckets=int(cfg_rollout.get("row_buckets", 2)),
+      obs_half=bool(cfg_rollout.get("obs_half", False)))
 
 
 # Left and right contexts in which a stop tag is encoded: a byte-level BPE (Qwen2, Llama 3)

@@ -11,7 +11,7 @@ from typing import Any
 
 import ml_collections
 
-from gigrl import compile_cache
+from gigrl.training import compile_cache
 from gigrl import config as config_lib
 from gigrl import search as search_lib
 from gigrl.config_utils import check_writable_dir

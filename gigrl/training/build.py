@@ -40,6 +40,8 @@ from gigrl.data import tokenizer as tok_lib
 from gigrl.models import lora as lora_lib
 from gigrl.models import sharding as sharding_lib
 from gigrl.rollout import engine as engine_lib
+from gigrl.rollout import demos as demos_lib
+from gigrl.rollout import trajectory as traj_lib
 from gigrl.rollout import turns as turns_lib
 
 
@@ -332,7 +334,8 @@ class Steps:
     sft_step: ``(params, opt_state, tokens, loss_mask)``.
     rl_step: ``(params, opt_state, ref_params, tokens, loss_mask, token_advantages)``: one
       on-policy update (old log-probs = current).
-    init_opt: ``tx -> params -> opt_state`` on ``opt_sh``.
+    init_opt: ``(tx, params, lower=False) -> opt_state`` on ``opt_sh`` (``lower=True``: its
+      program, traced and lowered, for the warm-up).
     ppo_step: ``(micro_batches, on_policy=False, packed=False) -> step(params, opt_state,
       ref_params, tokens, loss_mask, token_advantages, old_logprobs)`` (one mini-batch update,
       gradient accumulation; ``on_policy``: the step's only update, ``old_logprobs`` None;
@@ -389,8 +392,14 @@ def build_steps(cfg: ml_collections.ConfigDict, policy: Policy) -> Steps:
       in_shardings=(policy.param_sh, opt_sh, ref_sh, None, None, None),
       out_shardings=out_sh)
 
-  def init_opt(tx, params):
-    return in_mesh(jax.jit(tx.init, out_shardings=opt_sh), policy.mesh)(policy.trained(params))
+  inits = {}      # one jitted init per optimizer (compiled once; the warm-up lowers it)
+
+  def init_opt(tx, params, lower: bool = False):
+    if id(tx) not in inits:
+      inits[id(tx)] = jax.jit(tx.init, out_shardings=opt_sh)
+    with jax.set_mesh(policy.mesh):
+      fn = inits[id(tx)]
+      return (fn.lower if lower else fn)(policy.trained(params))
 
   @functools.lru_cache(maxsize=None)
   def ppo_step(micro_batches: int, on_policy: bool = False, packed: bool = False):
@@ -425,7 +434,27 @@ def rollout_settings(cfg: ml_collections.ConfigDict, *, greedy: bool | None = No
 
 def build_engine(cfg: ml_collections.ConfigDict, policy: Policy, tokenizer, retriever, *,
                  greedy: bool | None = None) -> engine_lib.RolloutEngine:
-  """The ``rollout.engine`` engine on the policy's mesh (``greedy=True`` for evaluation)."""
+  """The ``rollout.engine`` engine on the policy's mesh (``greedy=True`` for evaluation); its
+  prompt stats and distinct rows are set by :func:`gigrl.training.warmup.set_up_engines`."""
   return engine_lib.make_engine(cfg.rollout.engine, policy.model_cfg, policy.graphdef,
                                 tokenizer, retriever, rollout_settings(cfg, greedy=greedy),
                                 mesh=policy.mesh)
+
+
+def sft_demonstrations(cfg: ml_collections.ConfigDict, train_questions, tokenizer, retriever,
+                       settings, log: Callable[[str], None]):
+  """The SFT demonstrations (:func:`gigrl.rollout.demos.build_demonstrations`) of the first
+  ``train.sft_questions`` training questions (0: all), collated.
+
+  Raises:
+    ValueError: no demonstration is left (``train.sft_only_answer_in_obs`` filtered all).
+  """
+  t = cfg.train
+  qs = train_questions[:t.sft_questions] if t.sft_questions else train_questions
+  builders = demos_lib.build_demonstrations(
+      qs, tokenizer, retriever, settings, only_answer_in_obs=t.sft_only_answer_in_obs,
+      counterfactuals=t.sft_counterfactuals, seed=cfg.seed)
+  if not builders:
+    raise ValueError("no SFT demonstrations (train.sft_only_answer_in_obs filtered all)")
+  log(f"SFT: {len(builders)} demonstrations")
+  return traj_lib.collate(builders, settings.seq_len, tokenizer.pad_id)

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from gigrl import progress
+from gigrl.rollout import progress
 from gigrl.data.qa import normalize_answer
 from gigrl.rollout import host_loop
 from gigrl.rollout.protocol import parse_action
@@ -158,7 +158,7 @@ def evaluate(engine, params, questions: Sequence[Any], key: jax.Array | None = N
     hops: see :func:`score`.
     batch_size: rollouts per ``engine.run`` call (0 = all questions in one): the KV cache
       grows with the rows, so a large set is rolled out in chunks of this many (the last one
-      padded by repeating its last question, so every call has one shape; chunk ``c`` uses
+      padded with empty rows, which are never computed, so every call has one shape; chunk ``c`` uses
       ``fold_in(key, c)``, chunk 0 ``key`` itself).
     log: called with a progress line after each chunk (when there is more than one).
   Returns:
@@ -174,9 +174,9 @@ def evaluate(engine, params, questions: Sequence[Any], key: jax.Array | None = N
   results, first, work = [], None, {}
   for c, b in enumerate(range(0, len(questions), width)):
     chunk = list(questions[b:b + width])
-    padded = chunk + [chunk[-1]] * (width - len(chunk))
-    batch, m = engine.run(params, [q.question for q in padded],
-                          key if c == 0 else jax.random.fold_in(key, c))
+    # the last chunk padded with empty rows (never computed), so every call has one shape
+    padded = [q.question for q in chunk] + [None] * (width - len(chunk))
+    batch, m = engine.run(params, padded, key if c == 0 else jax.random.fold_in(key, c))
     add_work(work, m)
     results += score(chunk, batch, hops)
     first = batch if first is None else first
@@ -357,8 +357,8 @@ def evaluate_set(engine, params, questions: Sequence[Any], *, samples: int = 1,
     questions: :class:`gigrl.data.qa.Question` rows.
     ks: pass@k values, each in ``[1, samples]`` (Chen et al. 2021, eq. 1, :func:`pass_at_k`).
     seed: the sampling key's seed (sample ``s`` of batch ``b`` folds in ``s`` then ``b``).
-    rows_multiple: batches are padded to a multiple of it (the mesh's batch axes), with one
-      shape for every batch so the engine compiles once.
+    rows_multiple: batches are padded to a multiple of it (the mesh's batch axes) with empty
+      rows, with one shape for every batch so the engine compiles once.
     hops: question text -> hop count (:func:`question_hops`), for the ``hops=<k>`` subsets.
     name: the progress bar's label.
     retrieval_log: the :class:`RetrievalLog` wrapping the engine's retriever, if any: each row
@@ -390,10 +390,11 @@ def evaluate_set(engine, params, questions: Sequence[Any], *, samples: int = 1,
     per_turns.append(turns)
     for b in range(0, len(qs), width):
       chunk = qs[b:b + width]
-      padded = chunk + [chunk[-1]] * (width - len(chunk))  # one shape: no recompiles
+      # one shape (no recompiles): the last batch padded with empty rows, never computed
+      padded = [q.question for q in chunk] + [None] * (width - len(chunk))
       key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), s), b)
       with progress.reporting(show):
-        batch, m = engine.run(params, [q.question for q in padded], key)
+        batch, m = engine.run(params, padded, key)
       add_work(work, m)
       results += score(chunk, batch, hops)
       turns += [batch.generated_text[i] for i in range(len(chunk))]

@@ -115,6 +115,20 @@ class Evaluator:
     (step, questions, per-question results, ``eval/*`` metrics, rollout batch)."""
     if self._last is not None and self._last[0] == step:
       return self._last
+    engine = self.engine()
+    qs = self.questions
+    self.log(f"step {step}: evaluating {len(qs)} held-out questions (greedy rollouts) ...")
+    t0 = time.perf_counter()
+    results, metrics, batch = evaluate_lib.evaluate(
+        engine, self.policy.rollout_params(params), qs, jax.random.key(0),
+        hops=self._hops, batch_size=int(self.cfg.train.eval_batch_size),
+        log=lambda msg: self.log(f"step {step}: eval {msg}"))
+    self._last = (step, qs, results, {**metrics, "eval/time_s": time.perf_counter() - t0},
+                  batch)
+    return self._last
+
+  def engine(self) -> hosts.ProcessShare:
+    """The greedy evaluation engine over the processes (built on first use)."""
     if self._engine is None:
       self._log_retrieval = evaluate_lib.RetrievalLog(self.retriever)
       self._engine = hosts.ProcessShare(build.build_engine(
@@ -124,16 +138,7 @@ class Evaluator:
       files = ([d.questions_file] if d.questions_file else
                [os.path.join(qa_lib.bundled_dir(), f) for f in qa_lib.BUNDLED_QUESTION_FILES])
       self._hops = evaluate_lib.question_hops(files)
-    qs = self.questions
-    self.log(f"step {step}: evaluating {len(qs)} held-out questions (greedy rollouts) ...")
-    t0 = time.perf_counter()
-    results, metrics, batch = evaluate_lib.evaluate(
-        self._engine, self.policy.rollout_params(params), qs, jax.random.key(0),
-        hops=self._hops, batch_size=int(self.cfg.train.eval_batch_size),
-        log=lambda msg: self.log(f"step {step}: eval {msg}"))
-    self._last = (step, qs, results, {**metrics, "eval/time_s": time.perf_counter() - t0},
-                  batch)
-    return self._last
+    return self._engine
 
   def _samples(self, name: str, step: int, batch, qs, results) -> None:
     metrics_lib.write_samples(self.out, self.tokenizer, name, step, batch, qs,

@@ -28,13 +28,12 @@ from etils import epath
 from tqdm import tqdm
 
 from gigrl import distributed
-from gigrl import progress
 from gigrl import search as search_lib
 from gigrl.advantages import inputs as adv_inputs
 from gigrl.data import copy_task
 from gigrl.data import pool as pool_lib
-from gigrl.rollout import demos as demos_lib
 from gigrl.rollout import hosts
+from gigrl.rollout import progress
 from gigrl.rollout import trajectory as traj_lib
 from gigrl.training import build
 from gigrl.training import evaluator as evaluator_lib
@@ -42,6 +41,7 @@ from gigrl.training import metrics as metrics_lib
 from gigrl.training import resume
 from gigrl.training import state as state_lib
 from gigrl.training import stop as stop_lib
+from gigrl.training import warmup
 from gigrl.update import batch as batch_lib
 from gigrl.update import step as update_lib
 
@@ -104,7 +104,9 @@ class Trainer:
       # the rollout's turns (and the update's micro-batches) show on the bar within a step
       with stop_lib.StopSignals(_log) as stop, progress.reporting(
           lambda msg: bar.set_postfix_str(msg, refresh=True)):
-        demos = self._demonstrations() if start < sft_steps else None
+        demos = build.sft_demonstrations(cfg, self.data.train, self.tokenizer, self.retriever,
+                                         self.settings, _log) if start < sft_steps else None
+        first = warmup.warm_up(self, start, demos, _log)   # every program, before step 1
         if (start == 0 or fresh_init) and self.evaluator.due(start):
           # the initial policy: no SFT, or train.init_from's (whose own evaluation of the same
           # params is reused when it fits)
@@ -119,6 +121,7 @@ class Trainer:
             record = self.rl_step(step)
           self.state = self.state.replace(step=step)
           nonfinite_in_a_row = record.pop("_nonfinite_consecutive", 0)
+          record, first = {**record, **first}, {}
           self.out.write_metrics(record)
           stop_lib.check_finite(step, nonfinite_in_a_row, cfg.train.max_consecutive_nonfinite,
                                 record, ckpts.ckpt.steps)
@@ -161,18 +164,6 @@ class Trainer:
     return build.put_global_rows(self.policy.mesh, x)
 
   # ------------------------------------------------------------------ SFT
-  def _demonstrations(self) -> traj_lib.TrajectoryBatch:
-    t = self.cfg.train
-    qs = self.data.train[:t.sft_questions] if t.sft_questions else self.data.train
-    builders = demos_lib.build_demonstrations(
-        qs, self.tokenizer, self.retriever, self.settings,
-        only_answer_in_obs=t.sft_only_answer_in_obs, counterfactuals=t.sft_counterfactuals,
-        seed=self.cfg.seed)
-    if not builders:
-      raise ValueError("no SFT demonstrations (train.sft_only_answer_in_obs filtered all)")
-    _log(f"SFT: {len(builders)} demonstrations")
-    return traj_lib.collate(builders, self.settings.seq_len, self.tokenizer.pad_id)
-
   @functools.cached_property
   def _copy_ids(self) -> np.ndarray:
     """The tokenizer's ordinary pieces (:func:`copy_task.ordinary_ids`), on first use."""

@@ -12,8 +12,9 @@ Pure functions of numpy arrays (no devices, no globals), tested on small hand-wr
 
 C = candidate groups rolled out (k·P with query recycling), P = trained groups
 (``data.prompts_per_step``), G = rollouts per group, T = max steps (``rollout.max_turns + 1``),
-W = tokens per trained row (bucketed, from the valid groups' rows: the filler rows of invalid
-groups are cut to it), K = LM-head positions per row (bucketed). Rollout row ``c * G + j`` is rollout j of candidate c.
+W = tokens per trained row (the narrowest width of :func:`width_grid` holding the valid groups'
+rows: the filler rows of invalid groups are cut to it), K = LM-head positions per row (the
+generation budget, at most W - 1). Rollout row ``c * G + j`` is rollout j of candidate c.
 """
 from __future__ import annotations
 
@@ -81,6 +82,23 @@ def bucket(width: int, seq_len: int, multiple: int = 64) -> int:
   return min(int(seq_len), -(-int(width) // multiple) * multiple)
 
 
+# The update's and SFT step's widths: a bounded grid (issue #50), so every train-step program is
+# known before step 1 and compiled then (gigrl.training.warmup).
+WIDTH_BUCKETS = 4
+
+
+def width_grid(seq_len: int, buckets: int = WIDTH_BUCKETS, multiple: int = 64) -> list[int]:
+  """The widths a train step can have: ``seq_len · k / buckets`` for k = 1..buckets, each
+  rounded up to ``multiple`` and at most ``seq_len`` (e.g. 192, 384, 512, 656 for 656)."""
+  return sorted({bucket(-(-int(seq_len) * k // buckets), seq_len, multiple)
+                 for k in range(1, buckets + 1)})
+
+
+def grid_width(width: int, seq_len: int, buckets: int = WIDTH_BUCKETS) -> int:
+  """The narrowest width of :func:`width_grid` that holds ``width`` tokens."""
+  return next(w for w in width_grid(seq_len, buckets) if w >= min(int(width), int(seq_len)))
+
+
 def train_batch(batch: traj_lib.TrajectoryBatch, rows: np.ndarray, valid_groups: np.ndarray,
                 advantages: np.ndarray, *, trained_width: bool = True
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -95,13 +113,13 @@ def train_batch(batch: traj_lib.TrajectoryBatch, rows: np.ndarray, valid_groups:
       bucket. False: W covers every selected row, filler rows included.
   Returns:
     (tokens i32[B, W], loss_mask f32[B, W] (zero on invalid groups), token advantages
-    f32[B, W]) with B = P·G and W = :func:`bucket` of the longest trained row.
+    f32[B, W]) with B = P·G and W = :func:`grid_width` of the longest trained row.
   """
   sel = rows.reshape(-1)
   g = rows.shape[1]
   row_valid = np.repeat(np.asarray(valid_groups, np.float32), g)
   measured = sel[row_valid > 0] if trained_width else sel
-  width = bucket(int(batch.lengths[measured].max(initial=1)), batch.tokens.shape[1])
+  width = grid_width(int(batch.lengths[measured].max(initial=1)), batch.tokens.shape[1])
   adv = np.asarray(advantages, np.float32).reshape(len(sel), -1)
   tok_adv = token_advantages(adv, batch.step_ids[sel, :width])
   mask = batch.loss_mask[sel, :width] * row_valid[:, None]
@@ -233,17 +251,22 @@ def pack_rows(tokens: np.ndarray, loss_mask: np.ndarray, token_advantages: np.nd
   return PackedRows(out_tok, out_mask, out_adv, pos, seg, pre, len(bins), len(trained))
 
 
-def lm_positions(loss_mask: np.ndarray, cap: int, multiple: int = 32) -> int:
-  """K, the LM-head positions per row of an update: the most loss-masked (generated) target
-  tokens of any row, bucketed to a multiple of ``multiple`` (few distinct compiled shapes), at
-  most ``cap`` (the generation budget) and the row's W - 1 targets.
+def lm_positions(loss_mask: np.ndarray, cap: int, multiple: int = 32, *,
+                 trim: bool = False) -> int:
+  """K, the LM-head positions per row of an update: ``cap`` (the generation budget), at most
+  the row's W - 1 targets, so K is a function of W alone and the update has one program per
+  width of :func:`width_grid` (issue #50). ``trim=True`` (packed rows, whose widths are outside
+  the grid anyway): the most loss-masked (generated) target tokens of any row, bucketed to a
+  multiple of ``multiple``.
 
   Args:
     loss_mask: f32[B, W] of the update's rows (aligned with the tokens; targets are [:, 1:]).
     cap: the static bound (``build.max_generated_tokens``).
   Returns:
-    K >= 1 (one bucket when no row has a loss token).
+    K >= 1.
   """
+  if not trim:
+    return max(1, min(int(cap), loss_mask.shape[1] - 1))
   n = int((np.asarray(loss_mask)[:, 1:] > 0).sum(axis=1).max(initial=0))
   return max(1, min(int(cap), loss_mask.shape[1] - 1, bucket(max(n, 1), cap, multiple)))
 
@@ -285,5 +308,16 @@ def sft_batch(demos: traj_lib.TrajectoryBatch, train: Any, seed: int, step: int,
                                     step)
     return tok, msk, (tok > 0).sum(axis=1)
   idx = sft_indices(demos.tokens.shape[0], train.sft_batch_size, seed, step)
-  width = bucket(int(demos.lengths[idx].max()), demos.tokens.shape[1])
+  width = grid_width(int(demos.lengths[idx].max()), demos.tokens.shape[1])
   return demos.tokens[idx, :width], demos.loss_mask[idx, :width], demos.lengths[idx]
+
+
+def sft_widths(demos_lengths: np.ndarray, seq_len: int, train: Any, seed: int, first: int,
+               last: int) -> list[int]:
+  """The widths of SFT steps ``first``..``last`` (:func:`sft_batch`), computed from the seeded
+  batch order alone: the SFT step's programs, known before step 1."""
+  out = set()
+  for step in range(max(first, int(train.copy_steps) + 1), last + 1):
+    idx = sft_indices(len(demos_lengths), train.sft_batch_size, seed, step)
+    out.add(grid_width(int(demos_lengths[idx].max()), seq_len))
+  return sorted(out)

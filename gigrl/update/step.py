@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 
 from gigrl import distributed
-from gigrl import progress
+from gigrl.rollout import progress
 from gigrl.update import batch as batch_lib
 from gigrl.update import loss as loss_lib
 from gigrl.models import attention as attn_lib
@@ -313,6 +313,7 @@ def _jit_donating(make: Callable, in_shardings, out_shardings) -> Callable:
   def fn(*args, lm_positions=None):
     return get(lm_positions)(*args)
   fn.__wrapped__ = get(None)
+  fn.jit_for = get          # the jitted function of one K (gigrl.training.warmup lowers it)
   return fn
 
 
@@ -673,7 +674,7 @@ def rl_update(steps: Any, params, opt_state, ref_params, batch, rows: np.ndarray
     if -(-packed.rows // micro) * packed.width < -(-rows_trained // micro) * w:
       tokens, mask, tok_adv = packed.tokens, packed.loss_mask, packed.token_advantages
       packing = (packed.positions, packed.segment_ids, packed.prefix_ids)
-      k = batch_lib.lm_positions(mask, packed.width - 1)
+      k = batch_lib.lm_positions(mask, packed.width - 1, trim=True)
       shapes["update/width"] = float(packed.width)
       shapes["update/lm_positions"] = float(k)
       shapes["update/rows_computed"] = float(packed.rows)

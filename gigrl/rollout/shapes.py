@@ -1,0 +1,230 @@
+"""The rollout's static shapes: a bounded set, known before the first step (issue #50).
+
+Every jitted call compiles one program per static shape. The host loop's shapes therefore come
+from a grid fixed by the settings, the rows per process and the prompts' lengths
+(:class:`PromptStats`, measured once over every question a run can roll out), never from a
+step's data:
+
+* **rows** computed by a compacted call: a multiple of ``B / rollout.row_buckets`` (and of the
+  process's devices), so a kind of call has at most ``row_buckets`` row counts;
+* **prompt widths**: the shared prefix on one row at exactly its length (the prompts' common
+  head: system turn, instruction), then each distinct prompt's tail at the longest tail,
+  rounded up to ``rollout.width_bucket`` (0: the whole ``max_prompt_tokens`` budget);
+  observations at their ``max_obs_tokens`` budget (or half of it, ``rollout.obs_half``);
+* **slot spans** (the cache slots attention reads and copies touch): the most any row can
+  have written by the end of the call, from the budgets: ``P + t·(N + O) + (k+1)·n`` for chunk
+  ``k`` (of ``n`` steps) of decode turn ``t`` and ``P + (t+1)·(N + O)`` after observation ``t``
+  (P the longest prompt, N = ``max_new_tokens``, O = ``max_obs_tokens``), rounded up to
+  ``rollout.slot_bucket`` (0: the whole cache).
+
+:meth:`Grid.programs` lists every program the engine can execute; the engine's calls take their
+shapes from the same methods, so a shape outside the list cannot be met (a test counts compiles
+after warm-up). The spans are upper bounds of the slots written, so they never cut a row short;
+they cost attention over slots a short turn did not write, as a bucket of the data's own maximum
+did before (docs/results/rollout_efficiency/).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptStats:
+  """What the prompts a run can roll out share.
+
+  Attributes:
+    max_len: tokens of the longest prompt.
+    prefix: tokens every prompt starts with (their common prefix); at most ``min_len - 1``, so
+      every prompt keeps one token of its own (its next-token logits come from it).
+  """
+  max_len: int
+  prefix: int
+
+  def covers(self, prompts: Sequence[Sequence[int]]) -> bool:
+    """Whether ``prompts`` fit these stats (none longer, all sharing the first ``prefix``
+    tokens of the first one, each with a token after them)."""
+    if not prompts:
+      return True
+    head = list(prompts[0][:self.prefix])
+    return all(len(p) <= self.max_len and len(p) > self.prefix and list(p[:self.prefix]) == head
+               for p in prompts)
+
+  def merge(self, other: "PromptStats") -> "PromptStats":
+    """Stats covering both: the longer prompts, the shorter prefix (a batch only needs its
+    own prompts to share the prefix: it is prefilled from the batch's first prompt)."""
+    return PromptStats(max(self.max_len, other.max_len), min(self.prefix, other.prefix))
+
+
+def prompt_stats(prompts: Sequence[Sequence[int]]) -> PromptStats:
+  """:class:`PromptStats` of token-id prompts (at least one)."""
+  if not prompts:
+    raise ValueError("prompt_stats: no prompts")
+  first = prompts[0]
+  n = min(len(p) for p in prompts) - 1
+  for p in prompts[1:]:
+    k = 0
+    while k < n and p[k] == first[k]:
+      k += 1
+    n = k
+  return PromptStats(max(len(p) for p in prompts), max(0, n))
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Program:
+  """One static shape of a rollout call.
+
+  Attributes:
+    kind: ``prefill`` (an extend of prompt tokens), ``extend`` (observations), ``decode`` (a
+      turn, or a chunk of one), ``copy_rows`` (KV rows copied to others).
+    rows: rows computed (``copy_rows``: rows written), or 0 for all B rows uncompacted.
+    width: tokens per row (``decode``: steps; ``copy_rows``: 0).
+    span: cache slots the call reads and writes, 0 = all.
+  """
+  kind: str
+  rows: int
+  width: int
+  span: int
+  resume: bool = False   # decode: continues a turn (takes the previous chunk's stop window)
+
+  def label(self) -> str:
+    rows = self.rows or "all"
+    span = self.span or "all"
+    if self.kind == "copy_rows":
+      return f"copy_rows[{rows} rows, {span} slots]"
+    unit = "steps" if self.kind == "decode" else "tokens"
+    more = ", resumed" if self.resume else ""
+    return f"{self.kind}[{rows} rows x {self.width} {unit}, {span} slots{more}]"
+
+
+class Grid:
+  """The rollout's shapes for ``batch_rows`` rows per process (see the module docstring).
+
+  Args:
+    settings: :class:`gigrl.rollout.turns.RolloutSettings`.
+    batch_rows: B, rows per process in every ``engine.run`` call.
+    devices: the process's devices the rows are split over (row counts are multiples of it).
+    stats: the prompts' :class:`PromptStats`.
+    distinct_rows: the most distinct prompts a batch holds (a step's candidate prompts, whose
+      G samples are the other rows); the prompt tails are prefilled on that many rows. None:
+      any number (bucketed as other rows).
+  """
+
+  def __init__(self, settings, batch_rows: int, devices: int, stats: PromptStats,
+               distinct_rows: int | None = None):
+    self.s, self.b, self.d, self.stats = settings, int(batch_rows), max(1, int(devices)), stats
+    self.distinct = None if distinct_rows is None else min(self.b, -(-int(distinct_rows)
+                                                                     // self.d) * self.d)
+
+  # ---- axes -----------------------------------------------------------------------------
+  def row_step(self) -> int:
+    """The row quantum: B / row_buckets, rounded up to a multiple of the devices."""
+    k = max(1, int(self.s.row_buckets))
+    return self.d * max(1, -(-self.b // (k * self.d)))
+
+  def rows(self, n: int) -> int:
+    """Rows computed when ``n`` are needed: ``n`` rounded up to :meth:`row_step`, at most B."""
+    q = self.row_step()
+    return min(self.b, max(q, -(-int(n) // q) * q))
+
+  def tail_rows(self, n: int) -> int:
+    """Rows the prompt tails of ``n`` distinct prompts are prefilled on: ``distinct_rows``
+    when they fit, else :meth:`rows`."""
+    return self.distinct if self.distinct is not None and n <= self.distinct else self.rows(n)
+
+  def row_choices(self) -> list[int]:
+    q = self.row_step()
+    return sorted({min(self.b, q * i) for i in range(1, -(-self.b // q) + 1)})
+
+  @property
+  def s_max(self) -> int:
+    """Cache slots per row (the trajectory budget plus one)."""
+    return self.s.seq_len + 1
+
+  def prompt_cap(self) -> int:
+    """P: the prompt length the spans and widths assume."""
+    return self.stats.max_len if self.s.width_bucket > 0 else self.s.max_prompt_tokens
+
+  def prefix(self) -> int:
+    """Tokens of the shared prefix prefilled once on one row (0: off)."""
+    if not self.s.shared_prefix or self.stats.prefix <= 0:
+      return 0
+    return self.stats.prefix
+
+  def tail_width(self) -> int:
+    """Width of the prompt extend after the prefix (each distinct prompt's own tokens)."""
+    cut = self.prefix()
+    if self.s.width_bucket <= 0:
+      return self.s.max_prompt_tokens - cut
+    wb = self.s.width_bucket
+    return min(self.s.max_prompt_tokens - cut, -(-(self.stats.max_len - cut) // wb) * wb)
+
+  def obs_widths(self) -> list[int]:
+    """Observation extend widths: the ``max_obs_tokens`` budget, and with ``obs_half`` also
+    half of it (rounded up to ``width_bucket``), for tasks whose observations are often short
+    (it doubles the extend programs)."""
+    o, wb = self.s.obs_width, self.s.width_bucket
+    if wb <= 0 or not self.s.obs_half:
+      return [o]
+    return sorted({min(o, -(-(-(-o // 2)) // wb) * wb), o})
+
+  def obs_width(self, longest: int) -> int:
+    """The narrowest of :meth:`obs_widths` that holds ``longest`` tokens."""
+    return next(w for w in self.obs_widths() if w >= longest)
+
+  def span(self, needed: int) -> int:
+    """Slots a call that writes up to slot ``needed`` reads: rounded up to ``slot_bucket``;
+    0 = the whole cache (bucketing off, or the bound reaches it)."""
+    sb = self.s.slot_bucket
+    if sb <= 0:
+      return 0
+    span = -(-max(int(needed), 1) // sb) * sb
+    return 0 if span >= self.s_max else span
+
+  def turn_calls(self) -> list[tuple[int, int]]:
+    """(first step, steps) of each decode call of a turn: chunks of ``decode_chunk`` steps
+    (with ``compact_rows``; a start-up check refuses chunks without it), else one call."""
+    n = self.s.max_new_tokens
+    c = min(n, self.s.decode_chunk) if self.s.decode_chunk > 0 and self.s.compact_rows else n
+    return [(k, min(c, n - k)) for k in range(0, n, c)]
+
+  def decode_span(self, turn: int, step0: int, steps: int) -> int:
+    s, p = self.s, self.prompt_cap()
+    return self.span(p + turn * (s.max_new_tokens + s.obs_width) + step0 + steps)
+
+  def obs_span(self, turn: int) -> int:
+    s, p = self.s, self.prompt_cap()
+    return self.span(p + (turn + 1) * (s.max_new_tokens + s.obs_width))
+
+  def prompt_span(self) -> int:
+    return self.span(self.prompt_cap())
+
+  # ---- the programs ---------------------------------------------------------------------
+  def programs(self) -> list[Program]:
+    """Every program a rollout of B rows can execute (with ``distinct_rows`` below B, a batch
+    can hold a prompt more than once, so its KV rows are copied)."""
+    s, out = self.s, []
+    cut = self.prefix()
+    grouped = s.prefill_once_per_group
+    compact = s.compact_rows or grouped or s.shared_prefix
+    if cut:   # one row per device
+      out.append(Program("prefill", self.d, cut, self.span(cut)))
+      out.append(Program("copy_rows", self.b, 0, self.span(cut)))
+    if grouped and self.distinct is not None:
+      tails = [self.distinct]
+    else:
+      tails = sorted({self.rows(n) for n in range(1, self.b + 1)})
+    for r in tails if compact else [0]:
+      out.append(Program("prefill", r, self.tail_width(), self.prompt_span()))
+    if grouped and (self.distinct is None or self.distinct < self.b):
+      out.append(Program("copy_rows", self.b, 0, self.prompt_span()))
+    live = self.row_choices() if s.compact_rows else [0]
+    for turn in range(s.max_turns + 1):
+      for step0, n in self.turn_calls():
+        for r in live:
+          out.append(Program("decode", r, n, self.decode_span(turn, step0, n), step0 > 0))
+      if turn < s.max_turns:
+        for r in live:
+          for w in self.obs_widths():
+            out.append(Program("extend", r, w, self.obs_span(turn)))
+    return sorted(set(out), key=out.index)

@@ -1,0 +1,305 @@
+"""Warm-up: every program a run executes, listed from its config and compiled before step 1.
+
+A jitted call compiles once per static shape; a program first met inside a step stalls that
+step (on a TPU slice, a 3B program compiles for minutes). The rollout's shapes come from a
+bounded grid (:mod:`gigrl.rollout.shapes`) and the train steps' widths from
+:func:`gigrl.update.batch.width_grid`, so :func:`run_programs` lists the whole set from the
+config and the run's setup alone:
+
+* ``rollout``: the RL engine's prefill, observation extend, decode and KV-copy programs
+  (:meth:`gigrl.rollout.host_loop.HostLoopEngine.plan`, for a step's rows per process);
+* ``eval``: the greedy evaluation engine's, for its batch;
+* ``update``: the RL update of each width (one on-policy step, micro-batched, or PPO
+  mini-batches after the old log-probs, as ``train.*`` selects; :func:`gigrl.update.step.ppo_update`);
+* ``logprobs``: the old log-probs of each width (PPO with several updates a step only);
+* ``sft``: the SFT step of each width its seeded batches have (:func:`gigrl.update.batch.sft_widths`).
+
+:func:`compile_all` traces and lowers each program in the main thread (Python) and compiles
+them on a pool of threads (XLA compiles outside the GIL), with a progress bar ``compiling k/N``;
+jax's persistent compilation cache (``train.compile_cache``) turns a second run's compiles into
+loads. Afterwards a step compiles nothing (``time/rollout_compile_s`` and
+``time/update_compile_s`` are 0; ``tests/test_warmup.py`` counts jax's compile events).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from gigrl.rollout import shapes
+from gigrl.rollout import turns
+from gigrl.update import batch as batch_lib
+from gigrl.update import step as update_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class RunProgram:
+  """One program of a run.
+
+  Attributes:
+    stage: ``rollout``, ``eval``, ``update``, ``logprobs`` or ``sft``.
+    label: kind and static shape, e.g. ``decode[64 rows x 48 steps, 224 slots]``.
+    lower: traces and lowers it (``-> jax.stages.Lowered``); ``.compile()`` compiles it.
+  """
+  stage: str
+  label: str
+  lower: Callable[[], Any]
+
+
+def prompt_stats(tokenizer, questions: Sequence[Any]) -> shapes.PromptStats:
+  """The prompts' :class:`gigrl.rollout.shapes.PromptStats` (``questions``: rows with a
+  ``question`` field, or strings)."""
+  texts = [getattr(q, "question", q) for q in questions]
+  return shapes.prompt_stats([turns.prompt_ids(tokenizer, t) for t in texts])
+
+
+def local_rows(total: int, rows_multiple: int) -> int:
+  """Rows per process of a batch of ``total`` rows (:class:`gigrl.rollout.hosts.ProcessShare`
+  pads it to a multiple of the processes and the mesh's batch axes)."""
+  multiple = int(np.lcm(jax.process_count(), int(rows_multiple)))
+  return (total + (-total % multiple)) // jax.process_count()
+
+
+def engine_programs(engine, params, rows: int, stage: str) -> list[RunProgram]:
+  """Every program of ``engine`` (a :class:`~gigrl.rollout.host_loop.HostLoopEngine`) for
+  ``rows`` rows per process."""
+  mode = " greedy" if engine.s.greedy else " sampled"     # decode's sampling is static
+  return [RunProgram(stage, f"B={rows} " + prog.label() + (mode if prog.kind == "decode" else ""),
+                     functools.partial(engine.lower, params, rows, prog))
+          for prog in engine.plan(rows)]
+
+
+def update_programs(cfg, steps, mesh, params, opt_state, ref_params, put: Callable,
+                    seq_len: int, max_lm_positions: int) -> list[RunProgram]:
+  """The RL update's programs, one per width of :func:`batch_lib.width_grid` (and its old
+  log-probs when a step makes several updates), for the path :func:`update_lib.ppo_update`
+  takes under ``cfg.train``; the arguments are shaped as :func:`update_lib.rl_update` passes
+  them (``ref_params``: the reference's stand-in, None with LoRA)."""
+  from gigrl.training import build  # pylint: disable=import-outside-toplevel
+  b = int(cfg.data.prompts_per_step) * int(cfg.data.group_size)
+  mini, micro = build.ppo_rows(cfg)
+  epochs = int(cfg.train.ppo_epochs)
+  trim = bool(cfg.train.trim_update_padding)
+  out = []
+  for w in batch_lib.width_grid(seq_len):
+    k = batch_lib.lm_positions(np.zeros((1, w), np.float32), max_lm_positions) if trim else None
+    kw = {} if k is None else {"lm_positions": k}
+    label = f"[{b} rows x {w} tokens, K {k or max_lm_positions}]"
+
+    def rows(n, w=w):
+      return (put(np.zeros((n, w), np.int32)), put(np.zeros((n, w), np.float32)),
+              put(np.zeros((n, w), np.float32)))
+
+    if mini >= b and epochs == 1 and micro >= b:
+      def lower(w=w, kw=kw):
+        with jax.set_mesh(mesh):
+          return steps.rl_step.jit_for(kw.get("lm_positions")).lower(
+              params, opt_state, ref_params, *rows(b, w))
+      out.append(RunProgram("update", "rl_step" + label, lower))
+    elif mini >= b and epochs == 1:
+      def lower(w=w, kw=kw):
+        with jax.set_mesh(mesh):
+          return steps.ppo_step(b // micro, on_policy=True).jit_for(kw.get("lm_positions")).lower(
+              params, opt_state, ref_params, *rows(b, w), None)
+      out.append(RunProgram("update", f"ppo_step[{b // micro} micro-batches]" + label, lower))
+    else:
+      chunk = min(micro, mini)
+      n_micro = mini // chunk
+
+      def lower_lp(w=w):
+        with jax.set_mesh(mesh):
+          return steps.logprob_step.__wrapped__.lower(params, *rows(chunk, w)[:2])
+      out.append(RunProgram("logprobs", f"logprobs[{chunk} rows x {w} tokens]", lower_lp))
+      k_old = k if k is not None else min(max_lm_positions, w - 1)
+
+      def lower(w=w, kw=kw, k_old=k_old):
+        with jax.set_mesh(mesh):
+          return steps.ppo_step(n_micro).jit_for(kw.get("lm_positions")).lower(
+              params, opt_state, ref_params, *rows(mini, w),
+              put(np.zeros((mini, k_old), np.float32)))
+      out.append(RunProgram("update", f"ppo_step[{n_micro} micro-batches]" + label, lower))
+  return out
+
+
+def sft_programs(cfg, steps, mesh, params, opt_state, put: Callable,
+                 widths: Sequence[int]) -> list[RunProgram]:
+  """The SFT step of each width in ``widths`` (:func:`batch_lib.sft_widths`; the copying
+  steps' one width first when ``train.copy_steps``)."""
+  t = cfg.train
+  shapes_ = [(int(t.copy_batch_size), int(t.copy_width))] if int(t.copy_steps) else []
+  shapes_ += [(int(t.sft_batch_size), int(w)) for w in widths]
+  out = []
+  for n, w in shapes_:
+    def lower(n=n, w=w):
+      with jax.set_mesh(mesh):
+        return steps.sft_step.jit_for(None).lower(
+            params, opt_state, put(np.zeros((n, w), np.int32)), put(np.zeros((n, w), np.float32)))
+    out.append(RunProgram("sft", f"sft_step[{n} rows x {w} tokens]", lower))
+  return out
+
+
+def helper_programs(t, start: int) -> list[RunProgram]:
+  """The small programs around the steps: the RL optimizer's init and the reference copy at the
+  start of RL, the advantage estimator, and the checkpoint's device copy of the state."""
+  from gigrl.advantages import compose  # pylint: disable=import-outside-toplevel
+  from gigrl.training import state as state_lib  # pylint: disable=import-outside-toplevel
+  cfg, pol = t.cfg, t.policy
+  sft_steps, rl_steps = int(cfg.train.sft_steps), int(cfg.train.num_steps)
+  params = t.state.params
+  out = []
+  if rl_steps and start <= sft_steps:
+    out.append(RunProgram("other", "init_opt[rl]",
+                          lambda: t.steps.init_opt(t.steps.rl_tx, params, lower=True)))
+    if not pol.lora.enabled:
+      out.append(RunProgram("other", "copy[reference params]",
+                            lambda: state_lib.copy_program(params)))
+  if rl_steps:
+    p, g = int(cfg.data.prompts_per_step), int(cfg.data.group_size)
+    c, tt = t.pool.num_candidates, t.settings.max_turns + 1
+    z = lambda shape, dt: np.zeros(shape, dt)
+    inputs = compose.AdvantageInputs(
+        rewards=z((p, g), np.float32), valid=z((p, g), bool), strata=z((p, g), np.int32),
+        step_rewards=z((p, g, tt), np.float32), step_valid=z((p, g, tt), bool),
+        anchor_ids=z((p, g, tt), np.int32), action_valid=z((p, g, tt), bool),
+        batch_rewards=z((c, g), np.float32), batch_valid=z((c, g), bool))
+    out.append(RunProgram("other", f"advantages[{p} x {g} x {tt}]",
+                          lambda: t.adv_fn.lower(inputs, t.state.adv_state)))
+  # checkpoints: the saved state's device copy, in the SFT and the RL form
+  every = int(cfg.checkpoint.every_steps)
+  if every and sft_steps > start:
+    out.append(RunProgram("other", "copy[checkpoint, sft]", lambda: state_lib.copy_program(
+        t.checkpoints._saved(t.state))))
+  if every and rl_steps:
+    rl_state = t.state.replace(ref_params=None if pol.lora.enabled else params)
+    out.append(RunProgram("other", "copy[checkpoint, rl]", lambda: state_lib.copy_program(
+        t.checkpoints._saved(rl_state))))
+  return out
+
+
+def summary(programs: Sequence[RunProgram]) -> str:
+  """``21 programs: rollout 12, eval 6, update 3`` (counts by stage, in order of first)."""
+  counts: dict[str, int] = {}
+  for p in programs:
+    counts[p.stage] = counts.get(p.stage, 0) + 1
+  return f"{len(programs)} programs: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+
+
+def compile_all(programs: Sequence[RunProgram], *, threads: int = 0,
+                show: bool = True) -> float:
+  """Compiles every program before step 1; returns the wall seconds it took.
+
+  Each is traced and lowered in this thread, then compiled on a pool of ``threads`` threads
+  (0: one per core, at most 4), so XLA compiles one program while Python lowers the next; the
+  bar reads ``compiling k/N`` with the program just compiled.
+
+  Raises:
+    Whatever a program's lowering or compile raises (the label is added to the message).
+  """
+  t0 = time.perf_counter()
+  threads = threads or max(1, min(4, os.cpu_count() or 1))
+  bar = tqdm(total=len(programs), desc="compiling", unit="program", dynamic_ncols=True,
+             file=sys.stderr, disable=not show,
+             bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed} {postfix}")
+  lock = threading.Lock()
+
+  def compile_one(prog: RunProgram, lowered) -> None:
+    lowered.compile()
+    with lock:
+      bar.set_postfix_str(f"{prog.stage}: {prog.label}", refresh=False)
+      bar.update(1)
+
+  try:
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+      futures = []
+      for prog in programs:
+        try:
+          lowered = prog.lower()
+        except Exception as e:       # name the program, keep the cause
+          raise RuntimeError(f"warm-up: lowering {prog.stage} {prog.label} failed: {e}") from e
+        futures.append((prog, pool.submit(compile_one, prog, lowered)))
+      for prog, fut in futures:
+        try:
+          fut.result()
+        except Exception as e:
+          raise RuntimeError(f"warm-up: compiling {prog.stage} {prog.label} failed: {e}") from e
+  finally:
+    bar.close()
+  return time.perf_counter() - t0
+
+
+compile_seconds = update_lib.compile_seconds   # (for callers that time the warm-up's compiles)
+
+
+# ------------------------------------------------------------------------------ a run's set
+def plan_run(t, start: int, demos) -> list[RunProgram]:
+  """Every program the run ``t`` (a :class:`gigrl.training.trainer.Trainer`, set up) executes
+  from step ``start + 1`` on, in order: SFT, rollout, update, evaluation. ``demos``: its SFT
+  demonstrations (None when no SFT step is left)."""
+  from gigrl.training import build  # pylint: disable=import-outside-toplevel
+  cfg, pol = t.cfg, t.policy
+  sft_steps = int(cfg.train.sft_steps)
+  total = sft_steps + int(cfg.train.num_steps)
+  params = pol.params if t.state.params is None else t.state.params
+  rparams = pol.rollout_params(params)
+  rm = build.batch_axis_size(pol.mesh)
+  seq_len = t.settings.seq_len
+  out: list[RunProgram] = []
+  if start < sft_steps and demos is not None:
+    widths = batch_lib.sft_widths(demos.lengths, demos.tokens.shape[1], cfg.train, cfg.seed,
+                                  start + 1, sft_steps)
+    out += sft_programs(cfg, t.steps, pol.mesh, params, t.state.opt_state, t._put, widths)
+  if int(cfg.train.num_steps) and start < total:
+    g = int(cfg.data.group_size)
+    rows = local_rows(t.pool.num_candidates * g, rm)
+    out += engine_programs(t.engine.engine, rparams, rows, "rollout")
+    ref = None if pol.lora.enabled else params
+    out += update_programs(cfg, t.steps, pol.mesh, params, t.state.opt_state, ref, t._put,
+                           seq_len, build.max_generated_tokens(cfg))
+  if t.evaluator.questions and (int(cfg.train.eval_questions) or any(
+      t.evaluator.due(s) for s in range(start, total + 1))):
+    n = len(t.evaluator.questions)
+    bs = int(cfg.train.eval_batch_size)
+    rows = local_rows(min(bs, n) if bs else n, rm)
+    out += engine_programs(t.evaluator.engine().engine, rparams, rows, "eval")
+  out += helper_programs(t, start)
+  seen, unique = set(), []
+  for p in out:                   # a program two stages share is compiled (and counted) once
+    if p.label not in seen:
+      seen.add(p.label)
+      unique.append(p)
+  return unique
+
+
+def set_up_engines(t) -> None:
+  """Gives the run's engines the prompts' lengths (RL and held-out questions together, so
+  both engines share their prefill programs) and the RL batch's distinct prompts."""
+  from gigrl.training import build  # pylint: disable=import-outside-toplevel
+  stats = prompt_stats(t.tokenizer, list(t.rl_questions) + list(t.evaluator.questions))
+  g = int(t.cfg.data.group_size)
+  per = local_rows(t.pool.num_candidates * g, build.batch_axis_size(t.policy.mesh))
+  t.engine.engine.prompt_stats = stats
+  t.engine.engine.distinct_rows = -(-per // g) + (1 if per % g else 0)
+  t.evaluator.engine().engine.prompt_stats = stats
+
+
+def warm_up(t, start: int, demos, log: Callable[[str], None]) -> dict[str, float]:
+  """Lists and compiles the run's programs (:func:`plan_run`, :func:`compile_all`); returns
+  ``{"time/warmup_compile_s": seconds}`` for the launch's first metrics line (the count is
+  logged). ``train.warmup=False``: nothing (programs then compile when first met)."""
+  if not bool(t.cfg.train.get("warmup", True)):
+    return {}
+  set_up_engines(t)
+  programs = plan_run(t, start, demos)
+  log(f"warm-up: {summary(programs)}")
+  secs = compile_all(programs)
+  log(f"warm-up: compiled {len(programs)} programs in {secs:.1f} s")
+  return {"time/warmup_compile_s": secs}

@@ -1,0 +1,120 @@
+"""Every program a run executes is listed from its config and compiled before step 1 (#50).
+
+A tiny run (4 SFT steps, 3 RL steps, a held-out evaluation of an odd number of questions, so
+its last batch is padded) is counted with jax's own compile events
+(``/jax/core/compile/backend_compile_duration``, no timings): after the warm-up, nothing
+compiles, in any step or evaluation. Its rollouts' lengths and live rows vary from step to step,
+and so do the trained rows (GRPO without a filter trains every group). Every program the
+engine met is one the plan listed.
+
+One exception, counted apart and printed: orbax's checkpoint writer slices each replicated
+array once at the first save on a multi-device mesh (``jit(slice)``, milliseconds each, outside
+every step's timers; none on one device).
+
+Try it: put a shape outside the set (``Grid.rows`` returning ``n`` itself, or a width off the
+grid), and this test fails with the programs compiled after the warm-up named.
+"""
+import collections
+import os
+import sys
+
+import jax
+import pytest
+from jax import monitoring
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_after = {"on": False, "saving": False, "names": collections.Counter(),
+          "checkpoint": collections.Counter()}
+
+
+def _on_duration(event, secs, **kw):
+  del secs
+  if event == "/jax/core/compile/backend_compile_duration" and _after["on"]:
+    where = "checkpoint" if _after["saving"] else "names"
+    _after[where][kw.get("fun_name", "?")] += 1
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  sys.path.insert(0, ROOT)
+  from configs import smoke  # pylint: disable=import-outside-toplevel
+  from gigrl.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.training import warmup  # pylint: disable=import-outside-toplevel
+  cfg = smoke.get_config()
+  cfg.data.max_train_questions = 24
+  cfg.data.prompts_per_step = 8          # 16 rows over the tests' 8 CPU devices: 8 or 16 live
+  cfg.data.group_size = 2
+  cfg.data.pool.rule = "grpo"            # every group trained: the update runs each step
+  cfg.rollout.max_new_tokens = 24
+  cfg.rollout.max_obs_tokens = 64
+  cfg.train.sft_steps = 4
+  cfg.train.sft_batch_size = 8
+  cfg.train.num_steps = 3
+  cfg.train.eval_every = 2
+  cfg.train.eval_questions = 10          # eval_batch_size 8: a last batch of 2 (padded)
+  cfg.train.eval_batch_size = 8
+  cfg.train.compile_cache = ""           # no persistent cache: every compile is a real one
+  cfg.train.sample_every = 100
+  cfg.checkpoint.every_steps = 2
+  workdir = str(tmp_path_factory.mktemp("warmup"))
+  t = trainer_lib.Trainer(cfg, workdir)
+  monitoring.register_event_duration_secs_listener(_on_duration)
+  real = warmup.warm_up
+  planned = {}
+
+  def warm_up(tr, start, demos, log):
+    out = real(tr, start, demos, log)
+    planned["labels"] = [p.label for p in warmup.plan_run(tr, start, demos)]
+    _after["on"] = True
+    return out
+
+  save = t.checkpoints.save
+
+  def saving(*a, **k):               # orbax's own first-save slicing, counted apart
+    _after["saving"] = True
+    try:
+      return save(*a, **k)
+    finally:
+      _after["saving"] = False
+
+  warmup.warm_up = warm_up
+  t.checkpoints.save = saving
+  try:
+    t.run()
+  finally:
+    warmup.warm_up = real
+    _after["on"] = False
+  return t, planned["labels"], workdir
+
+
+def test_no_compile_after_warm_up(run):
+  t, labels, _ = run
+  assert labels and any("update" in l or "rl_step" in l for l in labels)
+  print(f"\nplanned {len(labels)} programs; after the warm-up: steps and evaluations "
+        f"{dict(_after['names'])}, orbax's checkpoint writes {dict(_after['checkpoint'])}")
+  assert not _after["names"], (
+      f"compiled after the warm-up: {dict(_after['names'])}; planned {len(labels)} programs")
+
+
+def test_every_program_met_was_planned(run):
+  t, labels, _ = run
+  eng = t.engine.engine
+  rows = next(int(l.split()[0][2:]) for l in labels if "sampled" in l)
+  plan = set(eng.plan(rows))
+  assert eng.programs and eng.programs <= plan, sorted(p.label() for p in eng.programs - plan)
+  # the run varied what a fixed-shape rollout would not: live rows and widths
+  assert len({p.rows for p in eng.programs if p.kind == "decode"} |
+             {p.width for p in eng.programs if p.kind == "extend"}) > 1
+
+
+def test_metrics_log_the_warm_up_and_zero_compiles(run):
+  import json  # pylint: disable=import-outside-toplevel
+  _, _, workdir = run
+  rows = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+  assert rows[0]["time/warmup_compile_s"] > 0
+  rl = [r for r in rows if r["phase"] == "rl"]
+  assert len(rl) == 3 and any(r["update/rows"] > 0 for r in rl)
+  assert all(r["time/rollout_compile_s"] == 0 and r["time/update_compile_s"] == 0 for r in rl)
+  ev = [r for r in rows if r["phase"] == "eval"]
+  assert ev and all(r.get("eval/time/rollout_compile_s", 0) == 0 for r in ev)
