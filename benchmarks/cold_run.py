@@ -76,9 +76,10 @@ def main(argv=None) -> int:
   p.add_argument("--workdir", default="", help="where the runs go (default: a temporary dir)")
   p.add_argument("--out", default="", help="write the figures here (json)")
   a = p.parse_args(argv)
-  base = a.workdir or tempfile.mkdtemp(prefix="gigrl_cold_")
+  base = os.path.abspath(a.workdir or tempfile.mkdtemp(prefix="gigrl_cold_"))
+  os.makedirs(base, exist_ok=True)
   res = {}
-  for name, checkout in (("before", a.before), ("after", a.after)):
+  for name, checkout in (("before", os.path.abspath(a.before)), ("after", os.path.abspath(a.after))):
     wd, cache = os.path.join(base, name), os.path.join(base, name + "_cache")
     for d in (wd, cache):
       if os.path.exists(d):

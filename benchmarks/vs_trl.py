@@ -37,6 +37,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _machine  # noqa: E402
 from smollm2_steps import gemm_peak_flops  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -196,6 +197,8 @@ def main(argv=None) -> None:
   print(f"machine: {device_name()}, {os.cpu_count()} cores; jax {jax.__version__} ({jax.default_backend()}), "
         f"torch {torch.__version__} ({torch.get_num_threads()} threads), trl {trl.__version__}; "
         f"f32 GEMM peak {peak / 1e9:.0f} GFLOP/s (XLA); N = {n_params / 1e6:.1f}M", flush=True)
+  micro = _machine.figures()         # what decides the ratio on this machine (issue #50)
+  print(_machine.line(micro), flush=True)
   print(f"batch: {a.prompts} prompts x {a.group} samples, <= {a.tokens} completion tokens, f32, "
         f"lr {a.lr:g}, {a.steps} steps per side (first dropped)", flush=True)
   g_rows, t = run_gigrl(a, max_turns=0)
@@ -230,7 +233,7 @@ def main(argv=None) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     res.update(device=device_name(), gigrl_over_trl_speedup=res["speedup"][
         "step_s"], command="python benchmarks/vs_trl.py " + " ".join(argv or sys.argv[1:]),
-               args=vars(a), peak_flops=peak, n_params=n_params)
+               args=vars(a), peak_flops=peak, n_params=n_params, machine=micro)
     with open(a.json, "w") as f:
       json.dump(res, f, indent=1)
     print(f"wrote {a.json}")

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from gigrl import testing
+from gigrl.config_utils import ConfigError
 from gigrl.data import qa
 from gigrl.data import tokenizer as tok_lib
 from gigrl.models import sampler as sampler_lib
@@ -89,12 +90,20 @@ def test_all_savings_on_equal_all_off_greedy(model, tok, questions, reference):
 
 @pytest.mark.parametrize("name", SWITCHES)
 def test_each_saving_alone_equals_all_off(model, tok, questions, reference, name):
+  """Each switch on its own gives the same trajectories and less work: fewer token rows
+  computed, or (``slot_bucket``) fewer cache slots read by them; ``decode_chunk`` alone (without
+  ``compact_rows``) is refused (issue #50: a switch is never silently ignored)."""
   ref, ref_m = reference
+  if name == "decode_chunk":
+    with pytest.raises(ConfigError, match="rollout.compact_rows is off"):
+      _run(model, tok, _only(name), questions)
+    return
   batch, m = _run(model, tok, _only(name), questions)
   assert_same(batch, ref)
-  # The span saves attention reads, not token rows; the shared prefix saves rows once widths
-  # are bucketed (test_shared_prefix_saves_rows); decode chunks only with compact_rows on.
-  if name not in ("slot_bucket", "shared_prefix", "decode_chunk"):
+  if name == "slot_bucket":          # the span saves attention reads, not token rows
+    assert m["rollout/token_rows"] == ref_m["rollout/token_rows"]
+    assert m["rollout/slot_reads"] < ref_m["rollout/slot_reads"]
+  else:
     assert m["rollout/token_rows"] < ref_m["rollout/token_rows"], name
 
 

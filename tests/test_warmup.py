@@ -118,3 +118,35 @@ def test_metrics_log_the_warm_up_and_zero_compiles(run):
   assert all(r["time/rollout_compile_s"] == 0 and r["time/update_compile_s"] == 0 for r in rl)
   ev = [r for r in rows if r["phase"] == "eval"]
   assert ev and all(r.get("eval/time/rollout_compile_s", 0) == 0 for r in ev)
+
+
+@pytest.mark.slow
+def test_the_smollm2_recipe_needs_at_most_32_programs(tmp_path):
+  """Issue #50's bound: the README's main job (``configs/countries.py:smollm2-135m-short``) lists
+  at most 32 programs in all, from its config and setup alone (nothing is compiled here)."""
+  import runpy  # pylint: disable=import-outside-toplevel
+  from gigrl.models import fetch  # pylint: disable=import-outside-toplevel
+  from gigrl.training import build  # pylint: disable=import-outside-toplevel
+  from gigrl.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.training import warmup  # pylint: disable=import-outside-toplevel
+  here = fetch.default_dir("smollm2-135m-instruct")
+  if not os.path.exists(os.path.join(here, "config.json")):
+    try:
+      fetch.fetch("smollm2-135m-instruct", here)
+    except fetch.UserError as e:
+      pytest.skip(f"cannot fetch SmolLM2-135M-Instruct: {e}")
+  cfg = runpy.run_path(os.path.join(ROOT, "configs", "countries.py"))["get_config"](
+      "smollm2-135m-short")
+  cfg.train.compile_cache = ""
+  t = trainer_lib.Trainer(cfg, str(tmp_path))
+  warmup.set_up_engines(t)
+  demos = build.sft_demonstrations(cfg, t.data.train, t.tokenizer, t.retriever, t.settings,
+                                   lambda _: None)
+  programs = warmup.plan_run(t, 0, demos)
+  print("\n" + warmup.summary(programs))
+  assert len(programs) <= 32, warmup.summary(programs)
+  stages = {p.stage for p in programs}
+  assert {"sft", "rollout", "update", "eval"} <= stages
+  # the rollout: prefix, its copy, the prompt tails, their copy, 3 decode turns and 2
+  # observation extends at 2 row counts each
+  assert sum(p.stage == "rollout" for p in programs) == 14

@@ -149,6 +149,8 @@ class HostLoopEngine:
       ``rollout/decode_steps/turn=t`` (decode loop iterations); ``rollout/token_rows`` (token
       rows computed: prefill, extend and decode, padding included), ``rollout/real_tokens``
       (the real tokens among them), ``rollout/padding_frac`` (1 - real / computed),
+      ``rollout/slot_reads`` (token rows × the cache slots their attention reads: what
+      ``slot_bucket`` saves),
       ``time/rollout_compile_s`` (seconds jax compiled in this rollout: 0 after
       :meth:`warmup`; the shapes met so far are ``engine.programs``),
       ``rollout/trajectory_tokens`` (prompt, observation and generated tokens of the
@@ -170,7 +172,7 @@ class HostLoopEngine:
     grid = self.grid(b)
     work = {"time/prefill_s": 0.0, "time/extend_s": 0.0, "time/decode_s": 0.0,
             "time/search_s": 0.0, "rollout/token_rows": 0.0, "rollout/real_tokens": 0.0,
-            "rollout/trajectory_tokens": 0.0}
+            "rollout/trajectory_tokens": 0.0, "rollout/slot_reads": 0.0}
     s_max = s.seq_len + 1
     t0, c0 = time.perf_counter(), progress.compile_seconds()
     progress.report(f"rollout: prefill {int(real.sum())} rows")
@@ -268,6 +270,8 @@ class HostLoopEngine:
       took = int(turns.agree_max(int(lens.max(initial=0))))
       steps += took
       work["rollout/token_rows"] += took * (b if rows is None else self._local_count(rows))
+      work["rollout/slot_reads"] += took * (b if rows is None else self._local_count(rows)) * (
+          span or s_max)
       work["rollout/real_tokens"] += float(lens.sum())
       work["rollout/trajectory_tokens"] += float(lens.sum())
       pos += lens
@@ -342,6 +346,7 @@ class HostLoopEngine:
       n = self._local_count(idx)
       toks, lens = turns.pad_rows(rows_tokens, n, width, self.tok.pad_id)
       work["rollout/token_rows"] += float(n * width)
+      work["rollout/slot_reads"] += float(n * width * (span or self.s.seq_len + 1))
       work["rollout/real_tokens"] += float(lens.sum())
       self._program(shapes.Program(kind, n, width, span))
       return sampler_lib.extend_last(self.graphdef, params, cache, self._rows(toks),
@@ -351,6 +356,7 @@ class HostLoopEngine:
       full[i] = t
     toks, lens = turns.pad_rows(full, b, width, self.tok.pad_id)
     work["rollout/token_rows"] += float(b * width)
+    work["rollout/slot_reads"] += float(b * width * (span or self.s.seq_len + 1))
     work["rollout/real_tokens"] += float(lens.sum())
     self._program(shapes.Program(kind, 0, width, span))
     return sampler_lib.extend_last(self.graphdef, params, cache, self._rows(toks),

@@ -156,8 +156,14 @@ def check_settings(tokenizer, settings: RolloutSettings) -> None:
     ConfigError: naming ``rollout.max_obs_tokens`` when the invalid-action message does not fit
       one observation; ``rollout.max_new_tokens`` when a turn cannot hold a stop tag (the
       ``</search>`` / ``</answer>`` tokens); ``rollout.max_prompt_tokens`` when the prompt of an
-      empty question (chat template and Search-R1 instruction alone) does not fit.
+      empty question (chat template and Search-R1 instruction alone) does not fit;
+      ``rollout.decode_chunk`` > 0 without ``rollout.compact_rows`` (chunks save only by
+      dropping the rows that ended, so the switch would be ignored).
   """
+  if settings.decode_chunk and not settings.compact_rows:
+    raise ConfigError("rollout.decode_chunk", settings.decode_chunk,
+                      "0 when rollout.compact_rows is off (a turn decoded in chunks saves only by "
+                      "dropping the rows that ended; without compaction it saves nothing)")
   n = len(invalid_observation_ids(tokenizer))
   if n > settings.max_obs_tokens:
     raise ConfigError("rollout.max_obs_tokens", settings.max_obs_tokens,
