@@ -58,7 +58,6 @@ def rollout_config() -> ml_collections.ConfigDict:
   c.slot_bucket = 16           # attention and cache copies read only the slots a call can have written, rounded up to this; 0 = all
   c.width_bucket = 32          # prompt widths from the prompts' lengths, rounded up to this (observations: half or all of max_obs_tokens); 0 = the budgets
   c.row_buckets = 2            # compacted calls compute a multiple of B / row_buckets rows (fewer: fewer programs, more padding)
-  c.obs_half = False           # observation extends also at half of max_obs_tokens (short observations; twice the extend programs)
   c.decode_chunk = 0           # decode steps per call (0 = a whole turn): rows that ended their turn leave between calls
   return c
 

@@ -261,8 +261,8 @@ def test_smollm2_greedy_on_equals_off_on_heldout_countries(smollm2_dir):
   # The base model acts invalidly here (no SFT yet), so every turn ends in an observation (the
   # invalid-action message): every row runs all turns, with observation extends between them.
   assert (off.num_steps == settings.max_turns + 1).all()
-  # Under half before #50; the bounded shape grid extends observations at the 128-token budget
-  # (rollout.obs_half off), here against the 52-token invalid-action message: 0.63 of all-off.
+  # Under half before #50; the bounded shape grid rounds rows to halves of the batch and
+  # observation extends to 64, 96 or 128 tokens: 0.63 of all-off here.
   assert m_on["rollout/token_rows"] < 0.65 * m_off["rollout/token_rows"]
   differ = [i for i in range(len(questions))
             if not np.array_equal(on.tokens[i], off.tokens[i])]
@@ -275,3 +275,36 @@ def test_smollm2_greedy_on_equals_off_on_heldout_countries(smollm2_dir):
   same = [i for i in range(len(questions)) if i not in differ]
   for f in FIELDS:
     np.testing.assert_array_equal(getattr(on, f)[same], getattr(off, f)[same], err_msg=f)
+
+
+def test_an_observation_longer_than_the_grid_widens_it(model, tok, questions, reference):
+  """The grid's spans assume the longest observation the corpus gives (``PromptStats.obs_len``);
+  a longer one (an unmeasured retriever) widens the grid to the budget before it is extended,
+  so every span stays a bound: the same trajectories as every saving off."""
+  from gigrl.rollout import shapes  # pylint: disable=import-outside-toplevel
+  ref, _ = reference
+  cfg, graphdef, state = model
+  engine = host_loop.HostLoopEngine(cfg, graphdef, tok, FakeRetriever(), SETTINGS,
+                                    distinct_rows=len(set(questions)))
+  engine.run(state, questions, jax.random.key(0))           # measures the prompts
+  engine.prompt_stats = dataclasses.replace(engine.prompt_stats, obs_len=8)
+  batch, _ = engine.run(state, questions, jax.random.key(0))
+  assert engine.widened >= 1 and engine.prompt_stats.obs_len is None
+  assert_same(batch, ref)
+  assert shapes.Grid(SETTINGS, 14, 1, engine.prompt_stats).obs_cap() == SETTINGS.max_obs_tokens
+
+
+def test_observation_cap_is_the_longest_observation_of_the_corpus(tok):
+  from gigrl.rollout import trajectory as traj_lib  # pylint: disable=import-outside-toplevel
+
+  class Corpus:                   # a retriever wrapper around a corpus (as ResilientRetriever)
+    def __init__(self, contents):
+      self.inner = type("Inner", (), {"_contents": contents})()
+
+  texts = ["Lima\nLima is the capital of Peru.", "Peru\n" + "Peru uses the sol. " * 6]
+  cap = traj_lib.observation_cap(tok, Corpus(texts), 1, 1000)
+  longest = max(len(traj_lib.observation_ids(tok, [t], 1000)[0]) for t in texts)
+  assert cap == max(longest, len(traj_lib.invalid_observation_ids(tok)))
+  assert traj_lib.observation_cap(tok, Corpus(texts), 1, 20) == 20          # the budget bounds it
+  assert traj_lib.observation_cap(tok, Corpus(texts), 2, 1000) >= cap       # two passages: more
+  assert traj_lib.observation_cap(tok, object(), 1, 1000) is None           # no corpus here

@@ -147,6 +147,6 @@ def test_the_smollm2_recipe_needs_at_most_32_programs(tmp_path):
   assert len(programs) <= 32, warmup.summary(programs)
   stages = {p.stage for p in programs}
   assert {"sft", "rollout", "update", "eval"} <= stages
-  # the rollout: prefix, its copy, the prompt tails, their copy, 3 decode turns and 2
-  # observation extends at 2 row counts each
-  assert sum(p.stage == "rollout" for p in programs) == 14
+  # the rollout: prefix, its copy, the prompt tails, their copy, 3 decode turns at 2 row
+  # counts, observation extends at 2 row counts x 3 widths
+  assert sum(p.stage == "rollout" for p in programs) == 16

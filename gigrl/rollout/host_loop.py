@@ -15,6 +15,7 @@ only those, and sends only their queries to its retriever.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Mapping, Sequence
 
@@ -120,6 +121,12 @@ class HostLoopEngine:
     """Compiles every program of :meth:`plan` of ``b`` (one after another)."""
     for prog in self.plan(b):
       self.lower(params, b, prog).compile()
+    self.release()
+
+  def release(self) -> None:
+    """Frees the dummy KV cache and logits :meth:`lower` traced with (a whole cache: 1.9 GB for
+    SmolLM2's 64 rows); the next :meth:`lower` allocates them again."""
+    self._dummies = (None,)
 
   # ---- a rollout ------------------------------------------------------------------------
 
@@ -206,8 +213,8 @@ class HostLoopEngine:
       t0 = time.perf_counter()
       progress.report(f"rollout turn {turn + 1}/{s.max_turns + 1}: "
                       f"{outcome.queries} searches, extend observations")
-      logits, cache = self._extend_observations(params, cache, logits, obs, pos, work, grid,
-                                                turn)
+      logits, cache, grid = self._extend_observations(params, cache, logits, obs, pos, work,
+                                                      grid, turn)
       work["time/extend_s"] += _synced(logits, t0)
     batch = traj_lib.collate(records, s.seq_len, self.tok.pad_id)
     work["rollout/decode_steps"] = float(sum(v for k, v in work.items()
@@ -315,12 +322,20 @@ class HostLoopEngine:
     return logits, cache
 
   def _extend_observations(self, params, cache, logits, obs, pos, work, grid, turn):
-    """Extends each row's observation (rows without one: only with ``compact_rows`` off)."""
+    """Extends each row's observation (rows without one: only with ``compact_rows`` off);
+    returns (logits, cache, grid). An observation longer than the grid assumed (a retriever
+    whose corpus was not measured) widens it to the ``max_obs_tokens`` budget for this and
+    every later call (``self.widened`` counts it), so the spans stay bounds."""
     s, b = self.s, len(obs)
     has = np.flatnonzero([len(o) > 0 for o in obs])
     work["rollout/trajectory_tokens"] += float(sum(len(o) for o in obs))
-    span = grid.obs_span(turn)
-    width = grid.obs_width(self._agree(max((len(o) for o in obs), default=0)))
+    longest = self._agree(max((len(o) for o in obs), default=0))
+    if longest > grid.obs_cap():
+      self.prompt_stats = dataclasses.replace(self.prompt_stats, obs_len=None)
+      self.widened += 1
+      grid = self.grid(grid.b)
+    span = grid.obs_span()
+    width = grid.obs_width(longest)
     if s.compact_rows:
       out = self._extend(params, cache, logits, [obs[i] for i in has], has, width, span,
                          compact=True, work=work, grid=grid, kind="extend")
@@ -328,7 +343,7 @@ class HostLoopEngine:
       out = self._extend(params, cache, logits, obs, np.arange(b), width, span,
                          compact=False, work=work, grid=grid, kind="extend")
     pos += [len(o) for o in obs]
-    return out
+    return out + (grid,)
 
   def _extend(self, params, cache, logits, rows_tokens, rows, width, span, *, compact, work,
               grid, kind="prefill", n_rows=None):

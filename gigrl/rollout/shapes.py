@@ -10,11 +10,12 @@ step's data:
 * **prompt widths**: the shared prefix on one row at exactly its length (the prompts' common
   head: system turn, instruction), then each distinct prompt's tail at the longest tail,
   rounded up to ``rollout.width_bucket`` (0: the whole ``max_prompt_tokens`` budget);
-  observations at their ``max_obs_tokens`` budget (or half of it, ``rollout.obs_half``);
+  observations at a multiple of ``width_bucket`` from half of the longest one the corpus can
+  give up to it (at most the ``max_obs_tokens`` budget);
 * **slot spans** (the cache slots attention reads and copies touch): the most any row can
   have written by the end of the call, from the budgets: ``P + t·(N + O) + (k+1)·n`` for chunk
-  ``k`` (of ``n`` steps) of decode turn ``t`` and ``P + (t+1)·(N + O)`` after observation ``t``
-  (P the longest prompt, N = ``max_new_tokens``, O = ``max_obs_tokens``), rounded up to
+  ``k`` (of ``n`` steps) of decode turn ``t``, and ``P + T·(N + O)`` for every observation extend
+  (P the longest prompt, N = ``max_new_tokens``, O the observation width), rounded up to
   ``rollout.slot_bucket`` (0: the whole cache).
 
 :meth:`Grid.programs` lists every program the engine can execute; the engine's calls take their
@@ -37,9 +38,12 @@ class PromptStats:
     max_len: tokens of the longest prompt.
     prefix: tokens every prompt starts with (their common prefix); at most ``min_len - 1``, so
       every prompt keeps one token of its own (its next-token logits come from it).
+    obs_len: tokens of the longest observation the retriever can return (its corpus measured:
+      :func:`gigrl.rollout.trajectory.observation_cap`), or None: the ``max_obs_tokens`` budget.
   """
   max_len: int
   prefix: int
+  obs_len: int | None = None
 
   def covers(self, prompts: Sequence[Sequence[int]]) -> bool:
     """Whether ``prompts`` fit these stats (none longer, all sharing the first ``prefix``
@@ -53,7 +57,8 @@ class PromptStats:
   def merge(self, other: "PromptStats") -> "PromptStats":
     """Stats covering both: the longer prompts, the shorter prefix (a batch only needs its
     own prompts to share the prefix: it is prefilled from the batch's first prompt)."""
-    return PromptStats(max(self.max_len, other.max_len), min(self.prefix, other.prefix))
+    return PromptStats(max(self.max_len, other.max_len), min(self.prefix, other.prefix),
+                       self.obs_len)
 
 
 def prompt_stats(prompts: Sequence[Sequence[int]]) -> PromptStats:
@@ -159,14 +164,25 @@ class Grid:
     wb = self.s.width_bucket
     return min(self.s.max_prompt_tokens - cut, -(-(self.stats.max_len - cut) // wb) * wb)
 
-  def obs_widths(self) -> list[int]:
-    """Observation extend widths: the ``max_obs_tokens`` budget, and with ``obs_half`` also
-    half of it (rounded up to ``width_bucket``), for tasks whose observations are often short
-    (it doubles the extend programs)."""
+  def obs_cap(self) -> int:
+    """O: the observation length the widths and spans assume: the longest observation the
+    corpus can give (``stats.obs_len``) rounded up to ``width_bucket``, at most the
+    ``max_obs_tokens`` budget (the budget itself when that is unknown or bucketing is off)."""
     o, wb = self.s.obs_width, self.s.width_bucket
-    if wb <= 0 or not self.s.obs_half:
+    if wb <= 0 or self.stats.obs_len is None:
+      return o
+    return min(o, -(-int(self.stats.obs_len) // wb) * wb)
+
+  def obs_widths(self) -> list[int]:
+    """Observation extend widths: the multiples of ``width_bucket`` from half of
+    :meth:`obs_cap` up to it (64, 96, 128 for a 128 cap), so a turn whose observations are
+    short extends them at less than the longest the corpus can give; the cap alone with
+    ``width_bucket`` 0."""
+    o, wb = self.obs_cap(), self.s.width_bucket
+    if wb <= 0:
       return [o]
-    return sorted({min(o, -(-(-(-o // 2)) // wb) * wb), o})
+    lo = -(-(-(-o // 2)) // wb) * wb
+    return sorted({min(o, w) for w in range(lo, o + wb, wb)})
 
   def obs_width(self, longest: int) -> int:
     """The narrowest of :meth:`obs_widths` that holds ``longest`` tokens."""
@@ -190,11 +206,14 @@ class Grid:
 
   def decode_span(self, turn: int, step0: int, steps: int) -> int:
     s, p = self.s, self.prompt_cap()
-    return self.span(p + turn * (s.max_new_tokens + s.obs_width) + step0 + steps)
+    return self.span(p + turn * (s.max_new_tokens + self.obs_cap()) + step0 + steps)
 
-  def obs_span(self, turn: int) -> int:
+  def obs_span(self) -> int:
+    """One span for every observation extend: the bound after the last one,
+    ``P + T·(N + O)`` (an extend's attention is a small part of its cost, so per-turn spans
+    would buy little for twice the programs)."""
     s, p = self.s, self.prompt_cap()
-    return self.span(p + (turn + 1) * (s.max_new_tokens + s.obs_width))
+    return self.span(p + s.max_turns * (s.max_new_tokens + self.obs_cap()))
 
   def prompt_span(self) -> int:
     return self.span(self.prompt_cap())
@@ -223,8 +242,7 @@ class Grid:
       for step0, n in self.turn_calls():
         for r in live:
           out.append(Program("decode", r, n, self.decode_span(turn, step0, n), step0 > 0))
-      if turn < s.max_turns:
-        for r in live:
-          for w in self.obs_widths():
-            out.append(Program("extend", r, w, self.obs_span(turn)))
+    for r in live:
+      for w in self.obs_widths() if s.max_turns else []:
+        out.append(Program("extend", r, w, self.obs_span()))
     return sorted(set(out), key=out.index)

@@ -150,6 +150,29 @@ def search_observations(retriever, tokenizer, queries: Sequence[str], topk: int,
   return out
 
 
+def observation_cap(tokenizer, retriever, topk: int, max_obs_tokens: int) -> int | None:
+  """The most tokens an observation can have: the invalid-action message, or a search's
+  observation of the ``topk`` longest passages of the retriever's corpus (an upper bound for
+  ``topk`` > 1: their bodies' lengths summed, plus 8 tokens a passage for the ``Doc i`` labels),
+  at most ``max_obs_tokens``. None when the retriever's corpus is not in this process (an HTTP
+  retriever): then the budget is the bound.
+
+  The retriever is looked for through wrappers that keep it as ``.inner``."""
+  inner = retriever
+  while getattr(inner, "_contents", None) is None and getattr(inner, "inner", None) is not None:
+    inner = inner.inner
+  contents = getattr(inner, "_contents", None)
+  if contents is None:
+    return None
+  head = tokenizer.encode("\n\n<information>")
+  tail = tokenizer.encode("</information>\n\n")
+  bodies = sorted((len(tokenizer.encode(protocol.format_passages([c]).strip())) for c in contents),
+                  reverse=True)[:max(1, int(topk))]
+  extra = 0 if len(bodies) == 1 else 8 * len(bodies)
+  longest = len(head) + len(tail) + sum(bodies) + extra
+  return min(int(max_obs_tokens), max(longest, len(invalid_observation_ids(tokenizer))))
+
+
 def invalid_observation_ids(tokenizer) -> list[int]:
   """Token ids of Search-R1's invalid-action message."""
   return tokenizer.encode(protocol.INVALID_ACTION_MSG)

@@ -39,7 +39,6 @@ class RolloutSettings:
   width_bucket: int = 32
   decode_chunk: int = 0
   row_buckets: int = 2
-  obs_half: bool = False
 
   @property
   def obs_width(self) -> int:
@@ -79,8 +78,7 @@ def settings_from_config(cfg_rollout: Any, topk_docs: int) -> RolloutSettings:
       slot_bucket=int(cfg_rollout.get("slot_bucket", 16)),
       width_bucket=int(cfg_rollout.get("width_bucket", 32)),
       decode_chunk=int(cfg_rollout.get("decode_chunk", 0)),
-      row_buckets=int(cfg_rollout.get("row_buckets", 2)),
-      obs_half=bool(cfg_rollout.get("obs_half", False)))
+      row_buckets=int(cfg_rollout.get("row_buckets", 2)))
 
 
 # Left and right contexts in which a stop tag is encoded: a byte-level BPE (Qwen2, Llama 3)

@@ -173,15 +173,22 @@ def helper_programs(t, start: int) -> list[RunProgram]:
         batch_rewards=z((c, g), np.float32), batch_valid=z((c, g), bool))
     out.append(RunProgram("other", f"advantages[{p} x {g} x {tt}]",
                           lambda: t.adv_fn.lower(inputs, t.state.adv_state)))
-  # checkpoints: the saved state's device copy, in the SFT and the RL form
-  every = int(cfg.checkpoint.every_steps)
-  if every and sft_steps > start:
-    out.append(RunProgram("other", "copy[checkpoint, sft]", lambda: state_lib.copy_program(
-        t.checkpoints._saved(t.state))))
-  if every and rl_steps:
-    rl_state = t.state.replace(ref_params=None if pol.lora.enabled else params)
-    out.append(RunProgram("other", "copy[checkpoint, rl]", lambda: state_lib.copy_program(
-        t.checkpoints._saved(rl_state))))
+  # checkpoints: the saved state's device copy, in the SFT and the RL form (one program when
+  # both trees are alike: without LoRA the SFT form saves the params in the reference slot)
+  forms = []
+  if sft_steps > start:
+    forms.append(("sft", t.checkpoints._saved(t.state)))
+  if rl_steps:
+    forms.append(("rl", t.checkpoints._saved(
+        t.state.replace(ref_params=None if pol.lora.enabled else params))))
+  seen = {}
+  for name, tree in forms:
+    sig = str(jax.tree.structure(tree)) + str([(getattr(x, "shape", None), str(
+        getattr(x, "dtype", ""))) for x in jax.tree.leaves(tree)])
+    seen.setdefault(sig, (name, tree))
+  for name, tree in seen.values():
+    out.append(RunProgram("other", f"copy[checkpoint{', ' + name if len(seen) > 1 else ''}]",
+                          functools.partial(state_lib.copy_program, tree)))
   return out
 
 
@@ -281,14 +288,22 @@ def plan_run(t, start: int, demos) -> list[RunProgram]:
 
 def set_up_engines(t) -> None:
   """Gives the run's engines the prompts' lengths (RL and held-out questions together, so
-  both engines share their prefill programs) and the RL batch's distinct prompts."""
+  both engines share their prefill programs), the longest observation the corpus can give, and
+  the RL batch's distinct prompts."""
   from gigrl.training import build  # pylint: disable=import-outside-toplevel
+  from gigrl.rollout import trajectory as traj_lib  # pylint: disable=import-outside-toplevel
   stats = prompt_stats(t.tokenizer, list(t.rl_questions) + list(t.evaluator.questions))
+  stats = dataclasses.replace(stats, obs_len=traj_lib.observation_cap(
+      t.tokenizer, t.retriever, t.settings.topk_docs, t.settings.max_obs_tokens))
   g = int(t.cfg.data.group_size)
   per = local_rows(t.pool.num_candidates * g, build.batch_axis_size(t.policy.mesh))
   t.engine.engine.prompt_stats = stats
   t.engine.engine.distinct_rows = -(-per // g) + (1 if per % g else 0)
-  t.evaluator.engine().engine.prompt_stats = stats
+  ev = t.evaluator.engine().engine
+  ev.prompt_stats = stats
+  ev.distinct_rows = local_rows(min(int(t.cfg.train.eval_batch_size) or len(
+      t.evaluator.questions), max(1, len(t.evaluator.questions))), build.batch_axis_size(
+          t.policy.mesh))       # every row its own question: the tails on all B rows
 
 
 def warm_up(t, start: int, demos, log: Callable[[str], None]) -> dict[str, float]:
@@ -300,6 +315,10 @@ def warm_up(t, start: int, demos, log: Callable[[str], None]) -> dict[str, float
   set_up_engines(t)
   programs = plan_run(t, start, demos)
   log(f"warm-up: {summary(programs)}")
-  secs = compile_all(programs)
+  try:
+    secs = compile_all(programs)
+  finally:
+    t.engine.engine.release()            # the dummy caches the programs were traced with
+    t.evaluator.engine().engine.release()
   log(f"warm-up: compiled {len(programs)} programs in {secs:.1f} s")
   return {"time/warmup_compile_s": secs}
