@@ -138,6 +138,7 @@ def test_the_smollm2_recipe_needs_at_most_32_programs(tmp_path):
   cfg = runpy.run_path(os.path.join(ROOT, "configs", "countries.py"))["get_config"](
       "smollm2-135m-short")
   cfg.train.compile_cache = ""
+  cfg.train.micro_batch_size = 8     # the tests' 8 CPU devices (the recipe's 4 rows do not split)
   t = trainer_lib.Trainer(cfg, str(tmp_path))
   warmup.set_up_engines(t)
   demos = build.sft_demonstrations(cfg, t.data.train, t.tokenizer, t.retriever, t.settings,

@@ -89,7 +89,8 @@ class HostLoopEngine:
       # the buffers every rollout starts from (their eager zeros compile here too), and the
       # loop's eager key split
       _, sub = jax.random.split(jax.random.key(0))
-      self._dummies = (b, self._init_cache(b, s.seq_len + 1), self._logits0(b), sub,
+      self._dummies = (b, self._init_cache(b * jax.process_count(), s.seq_len + 1),
+                       self._logits0(b), sub,
                        self._rows(np.arange(b, dtype=np.int32)))
     self.batch_rows = b
     _, cache, logits, key, row_ids = self._dummies
@@ -184,7 +185,7 @@ class HostLoopEngine:
     t0, c0 = time.perf_counter(), progress.compile_seconds()
     progress.report(f"rollout: prefill {int(real.sum())} rows")
     logits = self._logits0(b)
-    cache = self._init_cache(b, s_max)
+    cache = self._init_cache(b * jax.process_count(), s_max)   # global rows
     pos = np.zeros((b,), np.int64)          # host copy of each row's cache length
     logits, cache = self._prefill(params, cache, logits, prompts, real, pos, work, grid)
     work["time/prefill_s"] = _synced(logits, t0)
