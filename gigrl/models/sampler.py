@@ -103,23 +103,6 @@ def _extend_once(model, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
 # --------------------------------------------------------------------------- row and slot views
 
 
-def span_slots(needed: int, max_len: int, bucket: int) -> int | None:
-  """Cache slots a call must see: ``needed`` rounded up to a multiple of ``bucket``.
-
-  Args:
-    needed: the highest slot count any row reaches in the call (its cache length after it).
-    max_len: S_max, the cache's slots per row.
-    bucket: the rounding multiple (``rollout.slot_bucket``); 0 = the whole cache.
-  Returns:
-    A static span < S_max, or None for the whole cache (a few distinct values: one compiled
-    program each).
-  """
-  if bucket <= 0:
-    return None
-  span = -(-max(int(needed), 1) // int(bucket)) * int(bucket)
-  return None if span >= max_len else span
-
-
 def take_rows(cache: KVCache, rows: jax.Array | None, span: int | None) -> KVCache:
   """The sub-cache of ``rows`` (i32[R]; index >= B = an empty row) over slots [0, span).
 
@@ -171,7 +154,7 @@ def extend_last(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
     lengths: i32[B] (or i32[R]) number of valid tokens per row (0 = row unchanged).
     prev_logits: f32[B, V], returned for rows with lengths == 0 and rows not in ``rows``.
     rows: optional i32[R] cache rows the tokens belong to; entries >= B are padding.
-    span: static slot count (:func:`span_slots`), None = all S_max slots.
+    span: static slot count (:meth:`gigrl.rollout.shapes.Grid.span`), None = all S_max slots.
   Returns:
     (next_logits f32[B, V], cache).
   """
@@ -545,7 +528,7 @@ def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
     row_ids: optional i32[B] global row ids: each row samples from its own key stream
       (:func:`row_keys`), so compaction does not change what it samples. Without it, one key
       per step is split from ``rng`` for the whole batch.
-    span: static slot count (:func:`span_slots`): the loop reads and copies only slots
+    span: static slot count (:meth:`gigrl.rollout.shapes.Grid.span`): the loop reads and copies only slots
       [0, span); every row's last generated token must land below it.
     window, step0: continue a turn decoded in chunks: each row's last generated tokens
       (i32[B, L], a previous call's ``DecodeOut.window``; default none yet) so a stop sequence

@@ -215,7 +215,7 @@ class HostLoopEngine:
       progress.report(f"rollout turn {turn + 1}/{s.max_turns + 1}: "
                       f"{outcome.queries} searches, extend observations")
       logits, cache, grid = self._extend_observations(params, cache, logits, obs, pos, work,
-                                                      grid, turn)
+                                                      grid)
       work["time/extend_s"] += _synced(logits, t0)
     batch = traj_lib.collate(records, s.seq_len, self.tok.pad_id)
     work["rollout/decode_steps"] = float(sum(v for k, v in work.items()
@@ -322,7 +322,7 @@ class HostLoopEngine:
       cache, logits = self._copy(cache, logits, rep[dups], dups, grid.prompt_span(), grid)
     return logits, cache
 
-  def _extend_observations(self, params, cache, logits, obs, pos, work, grid, turn):
+  def _extend_observations(self, params, cache, logits, obs, pos, work, grid):
     """Extends each row's observation (rows without one: only with ``compact_rows`` off);
     returns (logits, cache, grid). An observation longer than the grid assumed (a retriever
     whose corpus was not measured) widens it to the ``max_obs_tokens`` budget for this and

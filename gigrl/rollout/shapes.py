@@ -30,6 +30,11 @@ import dataclasses
 from typing import Sequence
 
 
+def round_up(x: int, m: int) -> int:
+  """``x`` rounded up to a multiple of ``m`` (> 0)."""
+  return -(-int(x) // int(m)) * int(m)
+
+
 @dataclasses.dataclass(frozen=True)
 class PromptStats:
   """What the prompts a run can roll out share.
@@ -118,8 +123,8 @@ class Grid:
   def __init__(self, settings, batch_rows: int, devices: int, stats: PromptStats,
                distinct_rows: int | None = None):
     self.s, self.b, self.d, self.stats = settings, int(batch_rows), max(1, int(devices)), stats
-    self.distinct = None if distinct_rows is None else min(self.b, -(-int(distinct_rows)
-                                                                     // self.d) * self.d)
+    self.distinct = (None if distinct_rows is None
+                     else min(self.b, round_up(distinct_rows, self.d)))
 
   # ---- axes -----------------------------------------------------------------------------
   def row_step(self) -> int:
@@ -130,7 +135,7 @@ class Grid:
   def rows(self, n: int) -> int:
     """Rows computed when ``n`` are needed: ``n`` rounded up to :meth:`row_step`, at most B."""
     q = self.row_step()
-    return min(self.b, max(q, -(-int(n) // q) * q))
+    return min(self.b, max(q, round_up(n, q)))
 
   def tail_rows(self, n: int) -> int:
     """Rows the prompt tails of ``n`` distinct prompts are prefilled on: ``distinct_rows``
@@ -162,7 +167,7 @@ class Grid:
     if self.s.width_bucket <= 0:
       return self.s.max_prompt_tokens - cut
     wb = self.s.width_bucket
-    return min(self.s.max_prompt_tokens - cut, -(-(self.stats.max_len - cut) // wb) * wb)
+    return min(self.s.max_prompt_tokens - cut, round_up(self.stats.max_len - cut, wb))
 
   def obs_cap(self) -> int:
     """O: the observation length the widths and spans assume: the longest observation the
@@ -171,7 +176,7 @@ class Grid:
     o, wb = self.s.obs_width, self.s.width_bucket
     if wb <= 0 or self.stats.obs_len is None:
       return o
-    return min(o, -(-int(self.stats.obs_len) // wb) * wb)
+    return min(o, round_up(self.stats.obs_len, wb))
 
   def obs_widths(self) -> list[int]:
     """Observation extend widths: the multiples of ``width_bucket`` from half of
@@ -181,7 +186,7 @@ class Grid:
     o, wb = self.obs_cap(), self.s.width_bucket
     if wb <= 0:
       return [o]
-    lo = -(-(-(-o // 2)) // wb) * wb
+    lo = round_up(round_up(o, 2) // 2, wb)
     return sorted({min(o, w) for w in range(lo, o + wb, wb)})
 
   def obs_width(self, longest: int) -> int:
@@ -194,7 +199,7 @@ class Grid:
     sb = self.s.slot_bucket
     if sb <= 0:
       return 0
-    span = -(-max(int(needed), 1) // sb) * sb
+    span = round_up(max(int(needed), 1), sb)
     return 0 if span >= self.s_max else span
 
   def turn_calls(self) -> list[tuple[int, int]]:

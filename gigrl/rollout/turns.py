@@ -44,13 +44,6 @@ class RolloutSettings:
   def obs_width(self) -> int:
     return self.max_obs_tokens
 
-  def width(self, longest: int, cap: int) -> int:
-    """Token width of an extend whose longest row has ``longest`` tokens: rounded up to a
-    multiple of ``width_bucket``, at most ``cap`` (``cap`` itself when bucketing is off)."""
-    if self.width_bucket <= 0:
-      return cap
-    return max(1, min(cap, -(-int(longest) // self.width_bucket) * self.width_bucket))
-
   def all_off(self) -> "RolloutSettings":
     """These settings with every saving off: today's full-width, full-batch computation."""
     return dataclasses.replace(self, prefill_once_per_group=False, shared_prefix=False,
