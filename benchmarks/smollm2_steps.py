@@ -115,7 +115,8 @@ def phase_stats(rows: list[dict], phase: str, n_params: int, peak: float) -> dic
     out["update_s"] = statistics.median(r["time/update_s"] for r in steps)
     for k in ("time/prefill_s", "time/extend_s", "time/decode_s", "time/search_s",
               "time/rollout_compile_s", "time/update_compile_s",
-              "rollout/trajectory_tokens", "rollout/token_rows", "rollout/padding_frac",
+              "rollout/trajectory_tokens", "rollout/real_tokens", "rollout/token_rows",
+              "rollout/padding_frac",
               "rollout/decode_steps", "update/width", "update/lm_positions"):
       if all(k in r for r in steps):
         out[k] = statistics.median(r[k] for r in steps)
@@ -139,10 +140,16 @@ def main():
   p.add_argument("--passes", type=int, choices=(1, 2), default=2,
                  help="--savings: 1 = a cold compilation cache only; 2 = then again with the "
                  "cache the first pass filled (the figures a resumed or later run sees)")
-  p.add_argument("--out", default="", help="--savings: write results.json here")
+  p.add_argument("--phases", action="store_true",
+                 help="RL steps from --init_from: each phase's time beside its FLOP and "
+                 "bandwidth floors (benchmarks/_floors.py), into --out's 'phases' key")
+  p.add_argument("--out", default="", help="--savings: write results.json here; --phases: "
+                 "set its 'phases' key")
   a = p.parse_args()
   if a.savings:
     return savings(a)
+  if a.phases:
+    return phases(a)
   extra = [f"--config.{kv}" for kv in a.set]
   if a.quick:
     a.sft_steps, a.init_from = 2, ""
@@ -189,6 +196,64 @@ def main():
           f"{' (update)' if phase == 'rl' else ''} | "
           f"{r.get('rollout_tokens_per_s') or 0:.0f} | {r['peak_rss_gib']:.1f} |")
   print(json.dumps({"peak_flops": peak, "num_params": n, "overrides": a.set, **results}))
+
+
+def phases(a) -> None:
+  """``--phases``: RL steps from ``--init_from``; per phase (prefill, extend, decode, update) the
+  median time, FLOP floor, bandwidth floor and their ratio, with the peak GEMM rate and the copy
+  bandwidth measured here first (benchmarks/_floors.py)."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  import _floors  # pylint: disable=import-outside-toplevel
+  import _machine  # pylint: disable=import-outside-toplevel
+  from gigrl.models import fetch  # pylint: disable=import-outside-toplevel
+  from gigrl.models.config import config_from_hf  # pylint: disable=import-outside-toplevel
+  if not a.init_from:
+    sys.exit("smollm2_steps: --phases needs --init_from (a run at the end of its SFT)")
+  model = config_from_hf(fetch.default_dir("smollm2-135m-instruct"))
+  spec = importlib.util.spec_from_file_location("countries", CONFIG.split(":")[0])
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  run_cfg = mod.get_config(CONFIG.split(":")[1])
+  peak = gemm_peak_flops()
+  machine = _machine.figures()
+  bw = machine["copy_gb_s"] * 1e9
+  print(_machine.line(machine))
+  print(f"f32 GEMM peak {peak / 1e9:.1f} GFLOP/s (2048^3, XLA)", flush=True)
+  extra = [f"--config.{kv}" for kv in a.set]
+  with tempfile.TemporaryDirectory() as tmp:
+    rows, wall, rss = train_run(os.path.join(tmp, "rl"), [
+        f"--config.train.init_from={a.init_from}", f"--config.train.num_steps={a.rl_steps}",
+        "--config.train.eval_questions=0", "--config.checkpoint.every_steps=1000", *extra])
+  rl = [r for r in rows if r.get("phase") == "rl"][1:]       # the first step is not timed
+  if not rl:
+    sys.exit("smollm2_steps: --phases needs --rl_steps >= 2")
+  g = int(run_cfg.data.group_size)
+  micro = max(1, int(run_cfg.train.micro_batch_size))
+  n_micro = max(1, round(statistics.median(r.get("trained_groups", 0) for r in rl) * g / micro))
+  mf = _floors.model_figures(model)
+  ph = _floors.phases(rl, mf, peak, bw, n_micro)
+  rollout = statistics.median(r["time/rollout_s"] for r in rl)
+  search = statistics.median(r.get("time/search_s", 0.0) for r in rl)
+  parts = sum(ph[k]["time_s"] for k in _floors.PHASES)
+  ph["rollout_rest"] = {"time_s": rollout - parts, "search_s": search,
+                        "note": "rollout time outside the three phases' device calls: the "
+                        "retriever, tokenising, the host loop's bookkeeping"}
+  print(_floors.table({k: v for k, v in ph.items() if k != "rollout_rest"}))
+  print(f"rollout {rollout:.2f} s = phases {parts:.2f} s + {rollout - parts:.2f} s outside them "
+        f"(retriever {search:.2f} s)")
+  out = {"device": f"{machine['cpu']}, {machine['cores']} cores, jax {jax.__version__}",
+         "peak_flops": peak, "copy_bytes_per_s": bw, "machine": machine,
+         "update_micro_batches": n_micro, "steps_timed": len(rl), "model": mf,
+         "command": "python benchmarks/smollm2_steps.py " + " ".join(sys.argv[1:]), **ph}
+  print(json.dumps(out))
+  if a.out:
+    res = {}
+    if os.path.exists(a.out):
+      with open(a.out) as f:
+        res = json.load(f)
+    res["phases"] = out
+    with open(a.out, "w") as f:
+      json.dump(res, f, indent=1)
 
 
 def eval_run(init_from: str, overrides: list[str], n: int, out: str) -> dict:
@@ -269,10 +334,12 @@ def savings(a) -> None:
   tables = {p_: ratio_table(runs[p_]) for p_ in passes}
   on = runs[passes[-1]]["on"]
   fwd = 2 * n / peak                                  # seconds per real token, forward
-  floors = {"rollout_s": fwd * on.get("rollout/trajectory_tokens", 0.0),
+  # the tokens that must be computed: a group's prompt and the shared prefix once (issue #50;
+  # the trajectories' tokens count each prompt G times)
+  floors = {"rollout_s": fwd * on.get("rollout/real_tokens", 0.0),
             "update_s": floor_per_token * on["train_tokens_per_step"]}
   floors["step_s"] = floors["rollout_s"] + floors["update_s"]
-  floors["eval300_s"] = fwd * on["eval"].get("eval/rollout/trajectory_tokens", 0.0)
+  floors["eval300_s"] = fwd * on["eval"].get("eval/rollout/real_tokens", 0.0)
   head = " | ".join(f"{p_} cache: off s | on s | on / off" for p_ in passes)
   print(f"| phase | {head} | floor s |")
   print("|---|" + "---|---|---|" * len(passes) + "---|")

@@ -13,10 +13,12 @@
 #   3. CONFIG: a config file (with an optional :arg), then any --config.* overrides.
 #
 # Steps:
-#   1. gigrl-compile on this machine (CPU, libtpu from the `tpu` extra): the SFT step, the
-#      RL step and the rollout programs are compiled for ACCELERATOR_TYPE at the config's
-#      real batch and lengths. If one does not fit, the script stops here (exit 1), before
-#      a slice is allocated. It reads config.json from LOCAL_CKPT (default HF_CKPT; copy
+#   1. gigrl-compile on this machine (CPU, libtpu from the `tpu` extra): every program the
+#      run executes (the set its warm-up compiles) is compiled for ACCELERATOR_TYPE at the
+#      config's real batch and lengths (COMPILE_PROGRAMS=rl_step,decode,... compiles one
+#      full-shape program per kind instead: minutes, not hours, for a 3B model); reports are
+#      kept in COMPILE_RESULTS (default compile_<TOPOLOGY>.jsonl), so a rerun resumes. If one
+#      does not fit, the script stops here (exit 1), before a slice is allocated. It reads config.json from LOCAL_CKPT (default HF_CKPT; copy
 #      config.json there if the checkpoint lives only on the workers).
 #   2. CREATE=1: create the TPU VM slice (gcloud compute tpus tpu-vm create).
 #   3. Every worker installs gigrl and runs the same gigrl-train command (SPMD; on a TPU VM
@@ -50,6 +52,7 @@ if [[ "${SKIP_COMPILE:-0}" != 1 ]]; then
   [[ -x "$gigrl_compile" ]] || gigrl_compile=gigrl-compile
   echo "tpu_pod.sh: gigrl-compile --topology $TOPOLOGY"
   JAX_PLATFORMS=cpu "$gigrl_compile" --config "$CONFIG" --topology "$TOPOLOGY" \
+    --programs "${COMPILE_PROGRAMS:-run}" --results "${COMPILE_RESULTS:-compile_$TOPOLOGY.jsonl}" \
     "--config.model.hf_path=$LOCAL_CKPT" "--config.data.tokenizer=$LOCAL_CKPT" \
     "${EXTRA_ARGS[@]}"
 fi

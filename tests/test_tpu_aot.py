@@ -145,3 +145,32 @@ def test_lora_train_step_compiles_with_adapter_only_optimizer_state():
   assert opt(state) == pytest.approx(2 * trained(state), rel=0.01)   # Adam mu, nu: adapters
   assert opt(full) == pytest.approx(2 * trained(full), rel=0.01)
   assert opt(state) < opt(full) / 2, (state, full)
+
+
+def _run_set(cfg, stages, results):
+  reports = compile_lib.compile_run(cfg, "v5e-4", stages, log=None, results=results)
+  return [(r.stage, r.label, r.bytes, r.fits, r.compile_s) for r in reports]
+
+
+def test_the_run_set_compiles_for_v5e_and_a_second_call_resumes_it(tmp_path):
+  """gigrl-compile's default (--programs run): every program the run's warm-up compiles, the
+  rollout's grid (prefix prefill, tails, KV copies, per-turn decode, observation widths), the
+  update's widths and the helpers, lowered on the slice's mesh; each fits. Its reports are
+  kept in --results as they come, and a second call compiles nothing."""
+  cfg = _tiny_config()
+  cfg.train.sft_steps, cfg.train.num_steps, cfg.train.eval_questions = 2, 2, 0
+  stages = ("sft", "rollout", "update", "other")
+  res = str(tmp_path / "set.jsonl")
+  first = _in_child(_run_set, cfg, stages, res)[0]
+  by_stage = {}
+  for stage, label, size, fits, _ in first:
+    by_stage.setdefault(stage, []).append(label)
+    assert fits and 0 < size < 64 << 20, (stage, label, size)
+  assert set(by_stage) == set(stages), by_stage
+  kinds = {lab.split("[")[0].split()[-1] for lab in by_stage["rollout"]}
+  assert {"prefill", "copy_rows", "decode", "extend"} <= kinds, by_stage["rollout"]
+  assert len(by_stage["update"]) == 4                  # update.batch.width_grid: four widths
+  assert any(lab.startswith("advantages") for lab in by_stage["other"])
+  second = _in_child(_run_set, cfg, stages, res)[0]
+  assert second == first                               # read back, not compiled again
+  assert len(open(res).read().splitlines()) == len(first)

@@ -58,6 +58,7 @@ class ModelConfig:
   rope_scaling: Any = None
   param_dtype: str = "float32"
   dtype: str = "float32"
+  kv_cache_dtype: str = ""  # the KV cache's dtype ("" = dtype)
   max_position: int = 32768
   remat: str = "none"  # none | full | dots (save the weight-matmul outputs)
   scan_unroll: int = 1  # lax.scan unroll over layers (>= num_layers = fully unrolled)
@@ -89,13 +90,18 @@ class ModelConfig:
       if value not in DTYPES:
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} not in {DTYPES}")
     for name, allowed in (("remat", REMAT), ("backend", BACKENDS),
-                          ("attention", ATTENTION)):
+                          ("attention", ATTENTION), ("kv_cache_dtype", ("",) + DTYPES)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} not in {allowed}")
 
   @property
   def rope_scaling_dict(self) -> dict[str, Any] | None:
     return None if self.rope_scaling is None else dict(self.rope_scaling)
+
+  @property
+  def cache_dtype(self) -> str:
+    """The KV cache's dtype: ``kv_cache_dtype``, or the compute ``dtype``."""
+    return self.kv_cache_dtype or self.dtype
 
   @property
   def num_params(self) -> int:
@@ -183,6 +189,8 @@ def default_config() -> mlc.ConfigDict:
   c.tie_embeddings = ""       # "" = preset value, else "true" / "false"
   c.dtype = "float32"         # activation / compute dtype
   c.param_dtype = "float32"   # parameter storage dtype
+  c.kv_cache_dtype = ""        # the rollout's KV cache ("" = model.dtype; bfloat16: half the
+                               # cache, keys and values rounded: docs/architecture.md)
   c.remat = "none"            # none | full (rematerialise each block in backward) |
                               # dots (keep the weight-matmul outputs, recompute the rest)
   c.backend = "auto"          # auto | cpu | accelerator (which model code paths run)
@@ -215,6 +223,7 @@ def validate(cfg_model: Any) -> None:
   check_choice(c, "model.tie_embeddings", ("", "true", "false"))
   check_choice(c, "model.dtype", DTYPES)
   check_choice(c, "model.param_dtype", DTYPES)
+  check_choice(c, "model.kv_cache_dtype", ("",) + DTYPES)
   check_choice(c, "model.remat", REMAT)
   check_choice(c, "model.backend", BACKENDS)
   check_choice(c, "model.attention", ATTENTION)
@@ -267,6 +276,7 @@ def _compute_overrides(cfg_model: Any, base: ModelConfig) -> dict[str, Any]:
   if cfg_model.get("causal_block", -1) >= 0:       # -1 = the preset's value
     kw["causal_block"] = int(cfg_model.causal_block)
   kw["extend_chunk"] = int(cfg_model.get("extend_chunk", 0))
+  kw["kv_cache_dtype"] = str(cfg_model.get("kv_cache_dtype", ""))
   return kw
 
 

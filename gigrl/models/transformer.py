@@ -56,7 +56,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, *,
                sharding=None) -> KVCache:
   """Zeroed cache with `max_len` slots per row; `sharding` = KVCache of shardings."""
   shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-  dt = jnp.dtype(cfg.dtype)
+  dt = jnp.dtype(cfg.cache_dtype)
   if sharding is None:
     return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt),
                    jnp.zeros((batch,), jnp.int32))
@@ -537,11 +537,11 @@ class Transformer(nnx.Module):
     for i, p in enumerate(layer_params):
 
       def attention(q, k, v, i=i):
-        # k/v are rounded to the model dtype first, so a wider (f32) buffer holds
-        # exactly the values a model-dtype cache would.
+        # k/v are rounded to the cache's dtype first, so a wider (f32) buffer holds exactly
+        # the values the cache stores (a 16-bit cache is held as f32 inside sampler.decode)
         idx = (rows, slice(None), slots)       # buf[rows, :, slots] is [B, 1, KV, Dh], as k is
-        ks[i] = write_cache(ks[i], idx, k.astype(self.dtype))
-        vs[i] = write_cache(vs[i], idx, v.astype(self.dtype))
+        ks[i] = write_cache(ks[i], idx, k.astype(self.cfg.cache_dtype))
+        vs[i] = write_cache(vs[i], idx, v.astype(self.cfg.cache_dtype))
         return attn.attend_one_head_major(q, ks[i], vs[i], mask), None
 
       x, _ = self.block(p, x, positions, attention)

@@ -71,8 +71,11 @@ class HostLoopEngine:
     """The shape grid of ``b`` rows per process (needs ``prompt_stats``)."""
     if self.prompt_stats is None:
       raise ValueError("HostLoopEngine.grid: no prompt_stats yet (pass them, or run a batch)")
-    d = jax.local_device_count() if self.mesh is not None else 1
-    return shapes.Grid(self.s, b, d, self.prompt_stats, self.distinct_rows)
+    return shapes.Grid(self.s, b, self._devices(), self.prompt_stats, self.distinct_rows)
+
+  def _devices(self) -> int:
+    """The devices this process's rows are split over (row counts are multiples of it)."""
+    return jax.local_device_count() if self.mesh is not None else 1
 
   def plan(self, b: int) -> list[shapes.Program]:
     """Every program a call of :meth:`run` with ``b`` rows per process can execute
@@ -86,12 +89,7 @@ class HostLoopEngine:
     s = self.s
     if getattr(self, "_dummies", (None,))[0] != b:
       self.batch_rows = b
-      # the buffers every rollout starts from (their eager zeros compile here too), and the
-      # loop's eager key split
-      _, sub = jax.random.split(jax.random.key(0))
-      self._dummies = (b, self._init_cache(b * jax.process_count(), s.seq_len + 1),
-                       self._logits0(b), sub,
-                       self._rows(np.arange(b, dtype=np.int32)))
+      self._dummies = (b,) + self._dummy_inputs(b)
     self.batch_rows = b
     _, cache, logits, key, row_ids = self._dummies
     r = prog.rows or b
@@ -117,6 +115,13 @@ class HostLoopEngine:
           greedy=s.greedy, rows=idx, row_ids=row_ids, span=span, window=window,
           step0=1 if prog.resume else 0, lower_only=True)
     raise ValueError(f"unknown program kind {prog.kind!r}")
+
+  def _dummy_inputs(self, b: int) -> tuple:
+    """(cache, logits, key, row ids) a rollout of ``b`` rows starts from, which :meth:`lower`
+    traces with (their eager zeros compile here too, and the loop's eager key split)."""
+    _, sub = jax.random.split(jax.random.key(0))
+    return (self._init_cache(b * jax.process_count(), self.s.seq_len + 1), self._logits0(b),
+            sub, self._rows(np.arange(b, dtype=np.int32)))
 
   def warmup(self, params, b: int) -> None:
     """Compiles every program of :meth:`plan` of ``b`` (one after another)."""
@@ -158,7 +163,9 @@ class HostLoopEngine:
       rows computed: prefill, extend and decode, padding included), ``rollout/real_tokens``
       (the real tokens among them), ``rollout/padding_frac`` (1 - real / computed),
       ``rollout/slot_reads`` (token rows × the cache slots their attention reads: what
-      ``slot_bucket`` saves),
+      ``slot_bucket`` saves), and per phase (``prefill``, ``extend``, ``decode``) the work a
+      floor counts, ``rollout/<phase>/{token_rows, real_tokens, weight_reads, kv_slots,
+      attn_pairs}`` (:func:`_phase`),
       ``time/rollout_compile_s`` (seconds jax compiled in this rollout: 0 after
       :meth:`warmup`; the shapes met so far are ``engine.programs``),
       ``rollout/trajectory_tokens`` (prompt, observation and generated tokens of the
@@ -197,13 +204,13 @@ class HostLoopEngine:
       t0 = time.perf_counter()
       live = np.flatnonzero(active)
       progress.report(f"rollout turn {turn + 1}/{s.max_turns + 1}: decode {len(live)} rows")
-      cache, logits, gen = self._decode_turn(params, cache, logits, sub, active, pos, row_ids,
-                                             turn, work, grid)
+      cache, logits, gen, gen_lp = self._decode_turn(params, cache, logits, sub, active, pos,
+                                                     row_ids, turn, work, grid)
       work["time/decode_s"] += time.perf_counter() - t0
       outcome = turns.dispatch_turn(
           [records[i] for i in live], [gen[i] for i in live],
           tokenizer=self.tok, retriever=self.retriever, settings=s,
-          invalid_ids=self.invalid_ids)
+          invalid_ids=self.invalid_ids, logprobs=[gen_lp[i] for i in live])
       work["time/search_s"] += outcome.search_s
       calls += outcome.queries > 0
       obs: list[list[int]] = [[] for _ in range(b)]
@@ -251,13 +258,15 @@ class HostLoopEngine:
     cache) leave the batch (with ``compact_rows``), so a row that answered in 10 tokens does
     not run the turn's other 38 steps. The stop check's window and the per-row key streams
     continue across chunks, so the tokens are those of one whole-turn call. ``pos`` is
-    advanced in place."""
+    advanced in place. Also returns each row's tokens' sampler log-probs (the behaviour
+    policy's)."""
     s, b = self.s, len(active)
     s_max = s.seq_len + 1
     n_max = s.max_new_tokens
     going = active.copy()
     left = np.where(active, n_max, 0).astype(np.int32)
     gen: list[list[int]] = [[] for _ in range(b)]
+    gen_lp: list[list[float]] = [[] for _ in range(b)]
     window, steps = None, 0
     for step, n in grid.turn_calls():
       live = np.flatnonzero(going)
@@ -272,9 +281,10 @@ class HostLoopEngine:
           span=span or None, window=window, step0=step)
       cache, logits, window = out.cache, out.next_logits, out.window
       toks, lens = self._local(out.tokens), self._local(out.lengths)
-      stopped = self._local(out.stopped)
+      stopped, lps = self._local(out.stopped), self._local(out.logprobs)
       for i in live:
         gen[i] += toks[i, :lens[i]].tolist()
+        gen_lp[i] += lps[i, :lens[i]].tolist()
       took = int(turns.agree_max(int(lens.max(initial=0))))
       steps += took
       work["rollout/token_rows"] += took * (b if rows is None else self._local_count(rows))
@@ -282,13 +292,16 @@ class HostLoopEngine:
           span or s_max)
       work["rollout/real_tokens"] += float(lens.sum())
       work["rollout/trajectory_tokens"] += float(lens.sum())
+      _phase(work, "decode", rows=took * (b if rows is None else self._local_count(rows)),
+             real=float(lens.sum()), weight_reads=took,
+             kv=_attended(pos[live], lens[live])[1])   # each step reads every slot again
       pos += lens
       left -= lens.astype(np.int32)
       going &= ~stopped.astype(bool) & (left > 0) & (pos < s_max)
       if not turns.any_process(going.any()):
         break
     work[f"rollout/decode_steps/turn={turn}"] = float(steps)
-    return cache, logits, gen
+    return cache, logits, gen, gen_lp
 
   def _prefill(self, params, cache, logits, prompts, real, pos, work, grid):
     """Writes every real row's prompt into the cache; returns (logits f32[B, V], cache).
@@ -305,6 +318,9 @@ class HostLoopEngine:
                     for i, p in enumerate(prompts)], np.int64)
     reps = np.flatnonzero((rep == np.arange(b)) & real)
     cut = grid.prefix()
+    tails_kv = _attended(np.full(len(reps), cut), [len(prompts[i]) - cut for i in reps])
+    head_kv = _attended(np.zeros(1), np.full(1, cut if len(reps) else 0))
+    _phase(work, "prefill", kv=(tails_kv[0] + head_kv[0], tails_kv[1] + head_kv[1]))
     if cut:
       head = [list(prompts[reps[0]][:cut])] if len(reps) else []
       logits, cache = self._extend(params, cache, logits, head, reps[:len(head)], cut,
@@ -343,6 +359,7 @@ class HostLoopEngine:
     else:
       out = self._extend(params, cache, logits, obs, np.arange(b), width, span,
                          compact=False, work=work, grid=grid, kind="extend")
+    _phase(work, "extend", kv=_attended(pos[has], np.array([len(obs[i]) for i in has])))
     pos += [len(o) for o in obs]
     return out + (grid,)
 
@@ -364,6 +381,7 @@ class HostLoopEngine:
       work["rollout/token_rows"] += float(n * width)
       work["rollout/slot_reads"] += float(n * width * (span or self.s.seq_len + 1))
       work["rollout/real_tokens"] += float(lens.sum())
+      _phase(work, kind, rows=float(n * width), real=float(lens.sum()), weight_reads=1)
       self._program(shapes.Program(kind, n, width, span))
       return sampler_lib.extend_last(self.graphdef, params, cache, self._rows(toks),
                                      self._rows(lens), logits, idx, span=span or None)
@@ -374,6 +392,7 @@ class HostLoopEngine:
     work["rollout/token_rows"] += float(b * width)
     work["rollout/slot_reads"] += float(b * width * (span or self.s.seq_len + 1))
     work["rollout/real_tokens"] += float(lens.sum())
+    _phase(work, kind, rows=float(b * width), real=float(lens.sum()), weight_reads=1)
     self._program(shapes.Program(kind, 0, width, span))
     return sampler_lib.extend_last(self.graphdef, params, cache, self._rows(toks),
                                    self._rows(lens), logits, span=span or None)
@@ -448,22 +467,34 @@ class HostLoopEngine:
         self.model_cfg, self.mesh, batch, max_len))
 
 
+def _phase(work: dict, phase: str, *, rows: float = 0.0, real: float = 0.0,
+           weight_reads: float = 0.0, kv: tuple[float, float] | float = 0.0) -> None:
+  """Adds to ``phase``'s work counters (``prefill``, ``extend``, ``decode``):
+  ``rollout/<phase>/token_rows`` (computed, padding included), ``.../real_tokens``,
+  ``.../weight_reads`` (passes over the weights: calls, or decode steps) and, from
+  :func:`_attended`, ``.../kv_slots`` (cache slots the real rows must read, once a pass) and
+  ``.../attn_pairs`` (query-token x key-slot pairs the real tokens attend over)."""
+  slots, pairs = kv if isinstance(kv, tuple) else (kv, kv)
+  for key, v in (("token_rows", rows), ("real_tokens", real), ("weight_reads", weight_reads),
+                 ("kv_slots", slots), ("attn_pairs", pairs)):
+    k = f"rollout/{phase}/{key}"
+    work[k] = work.get(k, 0.0) + float(v)
+
+
+def _attended(pos: np.ndarray, new: np.ndarray) -> tuple[float, float]:
+  """(slots read, attention pairs) of rows that hold ``pos`` slots and append ``new`` tokens in
+  one pass: each row reads its ``pos + new`` slots once; its j-th new token attends over
+  ``pos + j + 1`` of them."""
+  pos, new = np.asarray(pos, np.float64), np.asarray(new, np.float64)
+  live = new > 0
+  pos, new = pos[live], new[live]
+  return float((pos + new).sum()), float((new * pos + new * (new + 1) / 2).sum())
+
+
 def _synced(x, t0: float) -> float:
   """Seconds since ``t0`` once ``x`` is computed (the device synchronised)."""
   jax.block_until_ready(x)
   return time.perf_counter() - t0
-
-
-def _common_prefix(rows: Sequence[Sequence[int]]) -> int:
-  """Length of the longest token prefix all ``rows`` share."""
-  first = rows[0]
-  n = min(len(r) for r in rows)
-  for r in rows[1:]:
-    k = 0
-    while k < n and r[k] == first[k]:
-      k += 1
-    n = k
-  return n
 
 
 def padding_frac(m: Mapping[str, float]) -> float:

@@ -23,6 +23,7 @@ class TrajectoryBuilder:
   generated_text: list[str] = dataclasses.field(default_factory=list)
   anchors: list[str] = dataclasses.field(default_factory=list)
   action_valid: list[bool] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
   search_calls: int = 0
   answer_turn: int = -1      # turn that produced </answer>, -1 if none
 
@@ -30,10 +31,14 @@ class TrajectoryBuilder:
     self._add(ids, 0, -1)
     self.anchors.append(anchor)
 
-  def add_generation(self, ids: Sequence[int], text: str) -> int:
-    """Adds one turn's generated tokens; returns the turn index."""
+  def add_generation(self, ids: Sequence[int], text: str,
+                     logprobs: Sequence[float] | None = None) -> int:
+    """Adds one turn's generated tokens (``logprobs``: the sampler's log-prob of each, the
+    behaviour policy's; None: 0); returns the turn index."""
     turn = len(self.generated_text)
     self._add(ids, 1, turn)
+    self.logprobs[len(self.logprobs) - len(ids):] = (
+        [float(x) for x in logprobs] if logprobs is not None else [0.0] * len(ids))
     self.generated_text.append(text)
     self.action_valid.append(protocol.parse_action(text)[0] != "invalid")
     return turn
@@ -47,6 +52,7 @@ class TrajectoryBuilder:
     self.tokens.extend(int(i) for i in ids)
     self.loss_mask.extend([mask] * len(ids))
     self.step_ids.extend([step] * len(ids))
+    self.logprobs.extend([0.0] * len(ids))
 
   @property
   def num_steps(self) -> int:
@@ -67,6 +73,8 @@ class TrajectoryBatch:
     generated_text: per row, the text of each generated turn.
     anchors: per row, the anchor observation of each step (question, then retrieved text).
     action_valid: per row, whether each turn's action parsed as search/answer.
+    behaviour_logprobs: f32[B, S]; the sampler's log-prob of each generated token (raw model,
+      temperature 1, from the rollout's own logits and KV cache), 0 elsewhere.
   """
   tokens: np.ndarray
   loss_mask: np.ndarray
@@ -77,6 +85,7 @@ class TrajectoryBatch:
   generated_text: list[list[str]]
   anchors: list[list[str]]
   action_valid: list[list[bool]]
+  behaviour_logprobs: np.ndarray | None = None
 
   @property
   def num_generated_tokens(self) -> int:
@@ -94,18 +103,20 @@ def collate(builders: Sequence[TrajectoryBuilder], seq_len: int, pad_id: int) ->
   mask = np.zeros((b, seq_len), np.float32)
   steps = np.full((b, seq_len), -1, np.int32)
   lengths = np.zeros((b,), np.int32)
+  logprobs = np.zeros((b, seq_len), np.float32)
   for i, tb in enumerate(builders):
     n = len(tb.tokens)
     if n > seq_len:
       raise ValueError(f"trajectory {i} has {n} tokens > seq_len {seq_len}")
     tokens[i, :n], mask[i, :n], steps[i, :n], lengths[i] = tb.tokens, tb.loss_mask, tb.step_ids, n
+    logprobs[i, :n] = tb.logprobs
   return TrajectoryBatch(
       tokens=tokens, loss_mask=mask, step_ids=steps, lengths=lengths,
       search_calls=np.array([tb.search_calls for tb in builders], np.int32),
       num_steps=np.array([tb.num_steps for tb in builders], np.int32),
       generated_text=[list(tb.generated_text) for tb in builders],
       anchors=[list(tb.anchors) for tb in builders],
-      action_valid=[list(tb.action_valid) for tb in builders])
+      action_valid=[list(tb.action_valid) for tb in builders], behaviour_logprobs=logprobs)
 
 
 def observation_ids(tokenizer, passages_contents: Sequence[str], max_obs_tokens: int

@@ -227,7 +227,8 @@ class TurnOutcome:
 
 def dispatch_turn(records: Sequence[TrajectoryBuilder], generations: Sequence[Sequence[int]], *,
                   tokenizer, retriever, settings: RolloutSettings,
-                  invalid_ids: Sequence[int]) -> TurnOutcome:
+                  invalid_ids: Sequence[int],
+                  logprobs: Sequence[Sequence[float]] | None = None) -> TurnOutcome:
   """Records one ended turn per row and decides each row's next observation.
 
   For each row j (``records[j]`` gets the turn ``generations[j]``, whose index is the number of
@@ -248,6 +249,8 @@ def dispatch_turn(records: Sequence[TrajectoryBuilder], generations: Sequence[Se
     tokenizer, retriever: as for the engine.
     settings: rollout settings (``max_turns``, ``topk_docs``, ``max_obs_tokens``).
     invalid_ids: token ids of the invalid-action message.
+    logprobs: the sampler's log-prob of each generated token per row (kept in the records as
+      the behaviour log-probs), or None.
   Returns:
     TurnOutcome, aligned with ``records``.
   Raises:
@@ -260,7 +263,7 @@ def dispatch_turn(records: Sequence[TrajectoryBuilder], generations: Sequence[Se
   for j, (rec, ids) in enumerate(zip(records, generations)):
     ids = [int(i) for i in ids]
     text = tokenizer.decode(ids)
-    turn = rec.add_generation(ids, text)
+    turn = rec.add_generation(ids, text, None if logprobs is None else logprobs[j])
     kind, payload = protocol.parse_action(text)
     if kind == "answer":
       rec.answer_turn, done[j] = turn, True

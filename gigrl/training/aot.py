@@ -33,6 +33,8 @@ import re
 import time
 from typing import Any, Sequence
 
+import numpy as np
+
 GiB = 1 << 30
 
 # Per chip (one JAX device): HBM bytes, peak dense bf16 FLOP/s, HBM bytes/s.
@@ -419,3 +421,276 @@ def summary(reports: Sequence[Report], topology: str) -> str:
            f"bf16, {chip['hbm_bw'] / 1e9:.0f} GB/s [{chip['source']}]", HEADER]
   lines += [r.line() for r in reports]
   return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ the run's set
+RUN_STAGES = ("sft", "rollout", "update", "logprobs", "eval", "other")
+TEMPLATE_QUESTIONS = ("What is the capital of France?", "Who wrote the novel War and Peace?")
+
+
+@dataclasses.dataclass
+class RunReport:
+  """One program of a run's set, compiled for a topology.
+
+  Attributes:
+    stage: ``sft``, ``rollout``, ``update``, ``logprobs``, ``eval`` or ``other``
+      (:class:`gigrl.training.warmup.RunProgram`); label: its kind and static shape.
+    bytes: per device, arguments + temporaries + outputs (donated buffers once), from
+      ``memory_analysis()``; 0 with ``error``.
+    compile_s: the host's seconds to lower and compile it.
+    hbm: the chip's HBM bytes; error: the compiler's out-of-memory message, if it refused it.
+  """
+  stage: str
+  label: str
+  bytes: int
+  compile_s: float
+  hbm: int
+  error: str = ""
+
+  @property
+  def fits(self) -> bool:
+    return not self.error and self.bytes <= self.hbm
+
+  def line(self) -> str:
+    mem = f"OVER ({self.error})" if self.error else (
+        f"{self.bytes / GiB:8.3f} {'fits' if self.fits else 'OVER':<4}")
+    return f"{self.stage:<8} {mem} {self.compile_s:8.1f}  {self.label}"
+
+
+RUN_HEADER = f"{'stage':<8} {'GiB/dev':>8} {'':<4} {'compile s':>8}  program"
+
+
+class _AbstractEngine:
+  """Mixin for :class:`gigrl.rollout.host_loop.HostLoopEngine`: the rollout's inputs as
+  ``jax.ShapeDtypeStruct`` on a topology's mesh (no device memory, no process but this one):
+  one process holding every row, split over all the slice's devices."""
+
+  def _devices(self) -> int:
+    return self.mesh.size
+
+  def _rows(self, local):
+    local = np.asarray(local)
+    return self._rows_shape(local.shape, local.dtype)
+
+  def _global_index(self, local, n, fill=None):
+    import jax  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    return jax.ShapeDtypeStruct((int(n),), jnp.int32, sharding=jax.sharding.NamedSharding(
+        self.mesh, jax.sharding.PartitionSpec()))
+
+  def _logits0(self, b):
+    return self._rows_shape((b, self.model_cfg.vocab_size), np.float32)
+
+  def _rows_shape(self, shape, dtype):
+    from gigrl.models import sharding as shd  # pylint: disable=import-outside-toplevel
+    import jax  # pylint: disable=import-outside-toplevel
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=shd.batch_sharding(self.mesh, shape))
+
+  def _init_cache(self, batch, max_len):
+    import jax  # pylint: disable=import-outside-toplevel
+    from gigrl import models  # pylint: disable=import-outside-toplevel
+    from gigrl.models import sharding as shd  # pylint: disable=import-outside-toplevel
+    from gigrl.models.transformer import KVCache  # pylint: disable=import-outside-toplevel
+    shapes_ = jax.eval_shape(lambda: models.init_cache(self.model_cfg, batch, max_len))
+    return KVCache(*_abstract(shapes_, shd.cache_shardings(self.model_cfg, self.mesh, batch,
+                                                          max_len)))
+
+
+def template_stats(tokenizer, settings):
+  """The prompts' :class:`gigrl.rollout.shapes.PromptStats` at the budgets: the longest
+  prompt ``max_prompt_tokens`` and observations ``max_obs_tokens`` (a run measures its own,
+  which can only narrow the widths), the shared prefix the chat template's (exact)."""
+  from gigrl.rollout import shapes  # pylint: disable=import-outside-toplevel
+  from gigrl.rollout import turns  # pylint: disable=import-outside-toplevel
+  ids = [turns.prompt_ids(tokenizer, q) for q in TEMPLATE_QUESTIONS]
+  prefix = shapes.prompt_stats(ids).prefix
+  return shapes.PromptStats(int(settings.max_prompt_tokens), prefix, None)
+
+
+def run_set(cfg, topology: str, stages: Sequence[str] = RUN_STAGES):
+  """Every program a run of ``cfg`` executes (:func:`gigrl.training.warmup.plan_run`'s set),
+  lowered for ``topology``: ``(programs, chip)``, programs a list of
+  :class:`gigrl.training.warmup.RunProgram` whose ``lower()`` traces and lowers it with
+  abstract inputs on the slice's mesh.
+
+  As a run on the slice, with its rows all on one process: the rollout's grid
+  (:class:`gigrl.rollout.shapes.Grid`) for the step's candidates and for the evaluation's
+  batch, at the budgets' prompt and observation widths (:func:`template_stats`); the update
+  and its old log-probs at each width of :func:`gigrl.update.batch.width_grid`; the SFT step at
+  each of those widths (a run compiles those its batches need); the RL optimizer's init, the
+  reference and checkpoint copies and the advantage estimator.
+
+  Raises:
+    CompileError: a bad topology or stage name. ConfigError: a mesh that does not match the
+    topology, or budgets the tokenizer's texts do not fit.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from gigrl import config as config_lib  # pylint: disable=import-outside-toplevel
+  from gigrl import models  # pylint: disable=import-outside-toplevel
+  from gigrl.advantages import compose  # pylint: disable=import-outside-toplevel
+  from gigrl.data import tokenizer as tok_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.models import lora as lora_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.models import sharding as shd  # pylint: disable=import-outside-toplevel
+  from gigrl.rollout import host_loop  # pylint: disable=import-outside-toplevel
+  from gigrl.training import build  # pylint: disable=import-outside-toplevel
+  from gigrl.training import state as state_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.training import warmup  # pylint: disable=import-outside-toplevel
+  from gigrl.update import batch as batch_lib  # pylint: disable=import-outside-toplevel
+
+  bad = sorted(set(stages) - set(RUN_STAGES))
+  if bad:
+    raise CompileError(f"unknown stages {bad}; one of {RUN_STAGES}")
+  config_lib.validate(cfg)
+  gen, _ = parse_topology(topology)
+  devices = topology_devices(topology)
+  mesh = shd.mesh_from_config(cfg.model, devices)
+  build.check_rows_fit_mesh(cfg, mesh)
+  tokenizer = tok_lib.load(cfg.data.tokenizer)
+  vocab = None if cfg.model.hf_path else int(tokenizer.vocab_size)
+  model_cfg = models.model_config_from(cfg.model, vocab).resolve("tpu")
+  model_cfg = model_cfg.replace(kernel_interpret=False)
+  lora = lora_lib.settings_from_config(cfg.model)
+
+  def make_model():
+    model = models.Transformer(model_cfg, rngs=nnx.Rngs(0))
+    return lora_lib.add_adapters(model, lora, rngs=nnx.Rngs(1)) if lora.enabled else model
+
+  graphdef, abs_state = nnx.split(nnx.eval_shape(make_model))
+  param_sh = shd.param_shardings(abs_state, mesh, cfg.model.train_sharding)
+  params = _abstract(abs_state, param_sh)
+  rparams = params if cfg.model.rollout_sharding == cfg.model.train_sharding else _abstract(
+      abs_state, shd.param_shardings(abs_state, mesh, cfg.model.rollout_sharding))
+  policy = build.Policy(model_cfg=model_cfg, graphdef=graphdef, mesh=mesh, params=params,
+                        param_sh=param_sh, train_preset=cfg.model.train_sharding,
+                        rollout_preset=cfg.model.rollout_sharding, lora=lora)
+  steps = build.build_steps(cfg, policy)
+  sft_opt = _abstract(jax.eval_shape(steps.sft_tx.init, policy.trained(params)), steps.opt_sh)
+  rl_opt = _abstract(jax.eval_shape(steps.rl_tx.init, policy.trained(params)), steps.opt_sh)
+  ref = None if lora.enabled else params
+  settings = build.rollout_settings(cfg)
+  seq_len = settings.seq_len
+  stats = template_stats(tokenizer, settings)
+
+  def put(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shd.batch_sharding(mesh, x.shape))
+
+  def replicated(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec()))
+
+  class Engine(_AbstractEngine, host_loop.HostLoopEngine):
+    pass
+
+  t = cfg.train
+  p, g = int(cfg.data.prompts_per_step), int(cfg.data.group_size)
+  k = 1 if cfg.data.pool.rule == "grpo" else int(cfg.data.pool.oversample)
+  rows = p * g * k
+  out = []
+  if "sft" in stages and int(t.sft_steps):
+    out += warmup.sft_programs(cfg, steps, mesh, params, sft_opt, put,
+                               batch_lib.width_grid(seq_len))
+  if int(t.num_steps):
+    if "rollout" in stages:
+      eng = Engine(model_cfg, graphdef, tokenizer, None, settings, mesh=mesh,
+                   prompt_stats=stats, distinct_rows=-(-rows // g))
+      out += warmup.engine_programs(eng, rparams, rows, "rollout")
+    if {"update", "logprobs"} & set(stages):
+      out += [q for q in warmup.update_programs(cfg, steps, mesh, params, rl_opt, ref, put,
+                                                 seq_len, build.max_generated_tokens(cfg))
+              if q.stage in stages]
+  n_eval = int(t.eval_questions)
+  if "eval" in stages and n_eval:
+    b = min(int(t.eval_batch_size) or n_eval, n_eval)
+    b += -b % build.batch_axis_size(mesh)
+    eng = Engine(model_cfg, graphdef, tokenizer, None, build.rollout_settings(cfg, greedy=True),
+                 mesh=mesh, prompt_stats=stats, distinct_rows=b)
+    out += warmup.engine_programs(eng, rparams, b, "eval")
+  if "other" in stages:
+    if int(t.num_steps):
+      out.append(warmup.RunProgram("other", "init_opt[rl]",
+                                   lambda: steps.init_opt(steps.rl_tx, params, lower=True)))
+      if not lora.enabled:
+        out.append(warmup.RunProgram("other", "copy[reference params]",
+                                     lambda: state_lib.copy_program(params)))
+      _, adv_fn, adv_state = build.build_advantages(cfg)
+      c, tt = rows // g, settings.max_turns + 1
+      z = lambda shape, dt: replicated(np.zeros(shape, dt))  # noqa: E731
+      inputs = compose.AdvantageInputs(
+          rewards=z((p, g), np.float32), valid=z((p, g), bool), strata=z((p, g), np.int32),
+          step_rewards=z((p, g, tt), np.float32), step_valid=z((p, g, tt), bool),
+          anchor_ids=z((p, g, tt), np.int32), action_valid=z((p, g, tt), bool),
+          batch_rewards=z((c, g), np.float32), batch_valid=z((c, g), bool))
+      adv_abs = jax.tree.map(lambda x: replicated(np.asarray(x)), adv_state)
+      out.append(warmup.RunProgram("other", f"advantages[{p} x {g} x {tt}]",
+                                   lambda: adv_fn.lower(inputs, adv_abs)))
+    saved = (policy.trained(params) if lora.enabled else params,
+             rl_opt if int(t.num_steps) else sft_opt, ref)
+    out.append(warmup.RunProgram("other", "copy[checkpoint]",
+                                 lambda: state_lib.copy_program(saved)))
+  seen, unique = set(), []
+  for q in out:
+    if q.label not in seen:
+      seen.add(q.label)
+      unique.append(q)
+  return unique, CHIPS[gen]
+
+
+def compile_run(cfg, topology: str, stages: Sequence[str] = RUN_STAGES, *, log=print,
+                results: str = "") -> list[RunReport]:
+  """Compiles :func:`run_set` of ``cfg`` for ``topology``, one program after another; returns
+  a :class:`RunReport` each.
+
+  Args:
+    results: a JSON-lines file: each program's report is appended as it is compiled, and a
+      program whose label is already there is not compiled again (a long set resumes).
+    log: called with a header, one line per program (:meth:`RunReport.line`) and the totals.
+  """
+  import json  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  programs, chip = run_set(cfg, topology, stages)
+  done = {}
+  if results and os.path.exists(results):
+    with open(results) as f:
+      for line in f:
+        if line.strip():
+          r = RunReport(**json.loads(line))
+          done[(r.stage, r.label)] = r
+  if log:
+    counts = {}
+    for q in programs:
+      counts[q.stage] = counts.get(q.stage, 0) + 1
+    log(f"{len(programs)} programs: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+        + (f" ({len(done)} already in {results})" if done else ""))
+    log(RUN_HEADER)
+  reports = []
+  for q in programs:
+    if (q.stage, q.label) in done:
+      rep = done[(q.stage, q.label)]
+    else:
+      t0 = time.perf_counter()
+      try:
+        compiled = q.lower().compile()
+        mem = compiled.memory_analysis()
+        total = int(mem.argument_size_in_bytes + mem.output_size_in_bytes
+                    + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+        rep = RunReport(q.stage, q.label, total, time.perf_counter() - t0, int(chip["hbm"]))
+      except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+          raise
+        o = _oom_report(q.label, "", str(e), chip, time.perf_counter() - t0)
+        rep = RunReport(q.stage, q.label, o.temp_bytes, o.compile_s, int(chip["hbm"]),
+                        error=f"{o.temp_bytes / GiB:.2f} GiB")
+      if results:
+        with open(results, "a") as f:
+          f.write(json.dumps(dataclasses.asdict(rep)) + "\n")
+    if log:
+      log(rep.line())
+    reports.append(rep)
+  if log and reports:
+    peak = max(reports, key=lambda r: r.bytes)
+    log(f"total: {len(reports)} programs, {sum(r.compile_s for r in reports):.0f} s compiling; "
+        f"largest {peak.bytes / GiB:.2f} GiB per device ({peak.stage} {peak.label}) of "
+        f"{chip['hbm'] / GiB:.0f}; {sum(not r.fits for r in reports)} do not fit")
+  return reports

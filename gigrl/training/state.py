@@ -80,9 +80,11 @@ def copy(state: Any) -> Any:
 
 
 def copy_program(state: Any):
-  """:func:`copy`'s program for a tree like ``state``, traced and lowered (not run)."""
+  """:func:`copy`'s program for a tree like ``state`` (device arrays, or their
+  ``jax.ShapeDtypeStruct`` with shardings: ``gigrl-compile``), traced and lowered (not run)."""
   leaves = jax.tree.leaves(state)
-  return _copy_arrays.lower([x for x in leaves if isinstance(x, jax.Array)])
+  return _copy_arrays.lower([x for x in leaves
+                             if isinstance(x, (jax.Array, jax.ShapeDtypeStruct))])
 
 
 def leaves_by_path(tree: Any) -> dict[str, Any]:
