@@ -26,12 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _machine  # noqa: E402  (the CPU model only: no jax here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/countries.py:smollm2-135m-short"
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
     print(f"{k:28s} {b[k]:10.1f} {f[k]:10.1f} {ratio:>13s}")
   print(f"{'final held-out EM':28s} {b['final_em']:10.3f} {f['final_em']:10.3f}")
   out = {"command": "python benchmarks/cold_run.py " + " ".join(argv or sys.argv[1:]),
-         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+         "machine": f"{_machine.cpu_model()}, {os.cpu_count()} cores",
          "config": CONFIG, "before": b, "after": f,
          "ratio": {k: (f[k] / b[k] if b[k] else None)
                    for k in ("rl_phase_s", "warm_rollout_s", "wall_s")}

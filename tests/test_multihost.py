@@ -47,7 +47,10 @@ OVERRIDES = [
 # work counts: each process prefills its own copy of the common prefix and rounds its own row
 # counts, so the token rows computed depend on how the rows are split (the trajectories do not).
 SKIP = ("time/", "tokens_per_s", "step_time_s", "rollout/retriever_calls",
-        "rollout/token_rows", "rollout/real_tokens", "rollout/padding_frac")
+        "rollout/token_rows", "rollout/real_tokens", "rollout/padding_frac",
+        # the per-phase work counters: a process prefills its own prefix and its own groups'
+        # prompts (a group split over two processes is prefilled on both)
+        "rollout/prefill/", "rollout/extend/", "rollout/decode/")
 TIMEOUT_S = 1500
 
 

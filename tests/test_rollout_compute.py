@@ -278,7 +278,7 @@ def smollm2_dir(tmp_path_factory):
     pytest.skip(f"cannot fetch SmolLM2-135M-Instruct: {e}")
 
 
-def _smollm2_on_off(model_cfg, graphdef, state, tok, n_per_hop=4):
+def _smollm2_on_off(model_cfg, graphdef, state, tok, n_per_hop=4, max_new_tokens=None):
   """Greedy rollouts of the recipe's settings, every saving on and every one off, on
   ``2 * n_per_hop`` held-out countries questions x 2 rows; returns (questions, on, m_on, off,
   m_off, on-engine)."""
@@ -298,6 +298,8 @@ def _smollm2_on_off(model_cfg, graphdef, state, tok, n_per_hop=4):
             + [r for r in held if r["hops"] == 2][:n_per_hop])
   questions = [r["question"] for r in picked for _ in range(2)]
   settings = build.rollout_settings(cfg, greedy=True)
+  if max_new_tokens:
+    settings = dataclasses.replace(settings, max_new_tokens=max_new_tokens)
   out = {}
   for name, s in (("on", settings), ("off", settings.all_off())):
     retriever = search_lib.make_retriever(cfg.search, health_check=False)
@@ -355,12 +357,12 @@ def smollm2_sft(smollm2_dir, tmp_path_factory):
   turns and observations differ in length."""
   import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
-  del smollm2_dir                                # fetched (the recipe reads the default dir)
   wd = str(tmp_path_factory.mktemp("smollm2_sft"))
   env = {k: v for k, v in os.environ.items()
          if k not in ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS")}   # a real run's speed
   cmd = [sys.executable, "-m", "gigrl.cli.train", "--config",
          os.path.join(REPO, "configs", "countries.py") + ":smollm2-135m", "--workdir", wd,
+         f"--config.model.hf_path={smollm2_dir}", f"--config.data.tokenizer={smollm2_dir}",
          "--config.train.sft_steps=6", "--config.train.num_steps=0",
          "--config.train.eval_questions=0", "--config.train.warmup=false",
          "--config.checkpoint.every_steps=6"]
@@ -372,9 +374,12 @@ def smollm2_sft(smollm2_dir, tmp_path_factory):
 
 @pytest.mark.slow
 def test_smollm2_fine_tuned_greedy_on_equals_off(smollm2_sft):
-  """As above, from a fine-tuned checkpoint (issue #50): with the savings on, rows leave the
-  batch at different turns (row compaction acts) and observation extends take several widths;
-  the trajectories are those of every saving off, token for token up to near ties."""
+  """As above, from a fine-tuned checkpoint (issue #50), at a 32-token turn budget: the model
+  opens each turn with a <think> preamble, so some rows search and answer while others run out
+  of budget and get the invalid-action message. Rows then leave the batch at different turns,
+  and the decode and extend calls run several row counts (row compaction acts); the
+  trajectories are those of every saving off, token for token up to near ties. (At the
+  recipe's 48 tokens this checkpoint searches once and answers on every row.)"""
   from gigrl.training import trained  # pylint: disable=import-outside-toplevel
   tp = trained.load_policy(smollm2_sft)
   state = jax.device_get(tp.params)
@@ -382,13 +387,11 @@ def test_smollm2_fine_tuned_greedy_on_equals_off(smollm2_sft):
   from flax import nnx  # pylint: disable=import-outside-toplevel
   model = nnx.merge(graphdef, state)
   questions, settings, on, m_on, off, m_off, engine = _smollm2_on_off(
-      model_cfg, graphdef, state, tp.tokenizer)
+      model_cfg, graphdef, state, tp.tokenizer, max_new_tokens=32)
   assert len(set(off.num_steps.tolist())) > 1, off.num_steps      # rows leave at different turns
-  assert off.search_calls.sum() > 0
-  extends = {p.width for p in engine.programs if p.kind == "extend"}
-  decodes = {p.rows for p in engine.programs if p.kind == "decode"}
-  assert len(decodes) > 1, engine.programs                        # compaction ran fewer rows
-  assert extends, engine.programs
+  assert 0 < (off.search_calls > 0).sum() < len(questions), off.search_calls
+  extends = {p.rows for p in engine.programs if p.kind == "extend"}
+  assert len(extends) > 1, engine.programs                        # compaction ran fewer rows
   assert m_on["rollout/token_rows"] < m_off["rollout/token_rows"]
   _assert_equal_up_to_ties(model, questions, on, off)
 

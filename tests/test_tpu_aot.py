@@ -159,6 +159,7 @@ def test_the_run_set_compiles_for_v5e_and_a_second_call_resumes_it(tmp_path):
   kept in --results as they come, and a second call compiles nothing."""
   cfg = _tiny_config()
   cfg.train.sft_steps, cfg.train.num_steps, cfg.train.eval_questions = 2, 2, 0
+  cfg.rollout.max_obs_tokens, cfg.rollout.max_prompt_tokens = 64, 160   # the engine's budgets
   stages = ("sft", "rollout", "update", "other")
   res = str(tmp_path / "set.jsonl")
   first = _in_child(_run_set, cfg, stages, res)[0]

@@ -10,8 +10,8 @@ step's data:
 * **prompt widths**: the shared prefix on one row at exactly its length (the prompts' common
   head: system turn, instruction), then each distinct prompt's tail at the longest tail,
   rounded up to ``rollout.width_bucket`` (0: the whole ``max_prompt_tokens`` budget);
-  observations at a multiple of ``width_bucket`` from half of the longest one the corpus can
-  give up to it (at most the ``max_obs_tokens`` budget);
+  observations at a half, three quarters or all of the longest one the corpus can give (at
+  most the ``max_obs_tokens`` budget), each rounded up to ``width_bucket``;
 * **slot spans** (the cache slots attention reads and copies touch): the most any row can
   have written by the end of the call, from the budgets: ``P + t·(N + O) + (k+1)·n`` for chunk
   ``k`` (of ``n`` steps) of decode turn ``t``, and ``P + T·(N + O)`` for every observation extend
@@ -179,15 +179,15 @@ class Grid:
     return min(o, round_up(self.stats.obs_len, wb))
 
   def obs_widths(self) -> list[int]:
-    """Observation extend widths: the multiples of ``width_bucket`` from half of
-    :meth:`obs_cap` up to it (64, 96, 128 for a 128 cap), so a turn whose observations are
-    short extends them at less than the longest the corpus can give; the cap alone with
+    """Observation extend widths: a half, three quarters and all of :meth:`obs_cap`, each
+    rounded up to ``width_bucket`` (64, 96, 128 for a 128 cap; 256, 384, 500 for Search-R1's
+    500), so a turn whose observations are short extends them at less than the longest the
+    corpus can give, with at most three programs per row count; the cap alone with
     ``width_bucket`` 0."""
     o, wb = self.obs_cap(), self.s.width_bucket
     if wb <= 0:
       return [o]
-    lo = round_up(round_up(o, 2) // 2, wb)
-    return sorted({min(o, w) for w in range(lo, o + wb, wb)})
+    return sorted({min(o, round_up(-(-o * k // 4), wb)) for k in (2, 3, 4)})
 
   def obs_width(self, longest: int) -> int:
     """The narrowest of :meth:`obs_widths` that holds ``longest`` tokens."""

@@ -114,6 +114,7 @@ def update_programs(cfg, steps, mesh, params, opt_state, ref_params, put: Callab
     else:
       chunk = min(micro, mini)
       n_micro = mini // chunk
+      label = f"[{mini} rows x {w} tokens, K {k or max_lm_positions}]"   # one mini-batch
 
       def lower_lp(w=w):
         with jax.set_mesh(mesh):
