@@ -101,6 +101,9 @@ def _smollm2(cfg, short: bool):
   cfg.rollout.max_new_tokens = 48
   cfg.rollout.max_obs_tokens = 128       # one passage plus the invalid-action message
   cfg.rollout.max_prompt_tokens = 256    # the system + user turn with Search-R1's instruction
+  # Decode turns (most of the rollout) in quarters of the 64 rows, the rest in halves: 32 programs
+  # in all with the evaluation's decode sharing the RL rollout's (issue #50, rollout_efficiency/)
+  cfg.rollout.decode_row_buckets = 4
   cfg.train.copy_steps = 0               # a pretrained model copies already
   cfg.train.sft_steps = 30
   cfg.train.sft_batch_size = 8

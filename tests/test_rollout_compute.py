@@ -217,6 +217,51 @@ def test_a_bf16_kv_cache_holds_bf16_and_rounds_logprobs(model, tok, questions):
   assert 0 < d.max() < 0.1
 
 
+def test_row_shards_on_a_mesh_equal_all_off(model, tok, questions, reference):
+  """On a mesh the rows are split into shards (one a device), and compaction, the shared
+  prefix and a group's copies stay within a shard (issue #50: a row-index gather with a global
+  index replicates the KV cache over a slice). 14 rows on 2 devices: shards of 7, a group of 3
+  split by the boundary is prefilled once in each. Every saving on equals every saving off."""
+  from gigrl.models import sharding as sharding_lib  # pylint: disable=import-outside-toplevel
+  ref, ref_m = reference
+  cfg, graphdef, state = model
+  mesh = sharding_lib.make_mesh({"fsdp": 2}, devices=jax.devices()[:2])
+  params = sharding_lib.shard_state(state, mesh, "fsdp")
+  engine = host_loop.HostLoopEngine(cfg, graphdef, tok, FakeRetriever(), SETTINGS, mesh=mesh,
+                                    distinct_rows=len(set(questions)))
+  batch, m = engine.run(params, questions, jax.random.key(0))
+  assert engine.grid(len(questions)).d == 2
+  assert_same(batch, ref)
+  assert m["rollout/token_rows"] < 0.6 * ref_m["rollout/token_rows"]   # shards pad a little
+  # every call's shape is in the plan, and the compacted calls are a whole number of shards
+  assert engine.programs <= set(engine.plan(len(questions)))
+  assert all(p.rows % 2 == 0 for p in engine.programs)
+
+
+def test_row_gathers_stay_on_their_device():
+  """The compacted calls' row gathers and scatters, compiled on a 4 x 2 (fsdp, tp) mesh with
+  block-local indices, move no row between devices (no collective in the program) and keep
+  the sub-cache row-sharded; the same rows as a global gather."""
+  from gigrl.models import sharding as sharding_lib  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  mesh = sharding_lib.make_mesh({"fsdp": 4, "tp": 2}, devices=jax.devices()[:8])
+  x = jax.device_put(np.arange(2 * 16 * 8 * 2 * 4, dtype=np.float32).reshape(2, 16, 8, 2, 4),
+                     NamedSharding(mesh, P(None, ("data", "fsdp"), None, "tp", None)))
+  rows = np.array([0, 3, 4, 1, 2, 4, 3, 0], np.int32)     # 2 a shard of 4 rows; 4 = padding
+  take = jax.jit(lambda x, r: sampler_lib.gather_rows(x, r, 0, shards=4, axis=1, span=4) + 1)
+  put = jax.jit(lambda x, r, v: sampler_lib.scatter_rows(x, r, v, shards=4, axis=1, span=4))
+  for fn, args in ((take, (x, rows)), (put, (x, rows, take(x, rows)))):
+    hlo = fn.lower(*args).compile().as_text()
+    assert not any(op in hlo for op in ("all-gather", "all-reduce", "all-to-all",
+                                        "collective-permute")), fn
+  sub = take(x, rows)
+  assert sub.sharding.spec[1] in (("data", "fsdp"), "fsdp"), sub.sharding
+  glob = np.array([0, 3, 16, 5, 10, 16, 15, 12])          # block j's row r is j * 4 + r
+  want = np.asarray(x)[:, np.minimum(glob, 15), :4] + 1
+  want[:, glob == 16] = 1
+  np.testing.assert_array_equal(np.asarray(sub), want)
+
+
 def test_prefill_once_per_group_copies_rows(model, tok):
   """The primitive under the saving: extend one row, copy it to another == extend both."""
   cfg, graphdef, state = model

@@ -100,8 +100,7 @@ def test_no_compile_after_warm_up(run):
 def test_every_program_met_was_planned(run):
   t, labels, _ = run
   eng = t.engine.engine
-  rows = next(int(l.split()[0][2:]) for l in labels if "sampled" in l)
-  plan = set(eng.plan(rows))
+  plan = set(eng.plan(eng.batch_rows))          # the rows of its last (an RL step's) rollout
   assert eng.programs and eng.programs <= plan, sorted(p.label() for p in eng.programs - plan)
   # the run varied what a fixed-shape rollout would not: live rows and widths
   assert len({p.rows for p in eng.programs if p.kind == "decode"} |
@@ -148,6 +147,9 @@ def test_the_smollm2_recipe_needs_at_most_32_programs(tmp_path):
   assert len(programs) <= 32, warmup.summary(programs)
   stages = {p.stage for p in programs}
   assert {"sft", "rollout", "update", "eval"} <= stages
-  # the rollout: prefix, its copy, the prompt tails, their copy, 3 decode turns at 2 row
-  # counts, observation extends at 2 row counts x 3 widths
-  assert sum(p.stage == "rollout" for p in programs) == 16
+  # the rollout: prefix, its copy, the prompt tails, their copy, 3 decode turns at 4 row
+  # counts (quarters), observation extends at 2 row counts x 3 widths
+  assert sum(p.stage == "rollout" for p in programs) == 22
+  # the evaluation (greedy, the same 64 rows) shares every program but its prompt tails
+  # (64 distinct prompts against the RL batch's 16): decode's greedy is traced
+  assert sum(p.stage == "eval" for p in programs) == 1

@@ -101,45 +101,97 @@ def _extend_once(model, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
 
 
 # --------------------------------------------------------------------------- row and slot views
+#
+# Row compaction indexes the cache's rows. On a mesh the rows are split into ``shards``
+# contiguous blocks of B / shards rows (one per device of the ('data', 'fsdp') axes), and every
+# index is local to its block: ``rows`` i32[shards * R] holds R indices per block, each in
+# [0, B / shards) or >= B / shards for padding. A gather or scatter is then a batched one whose
+# batch dimension is the sharded one, which XLA's SPMD partitioner keeps on each device: no
+# row crosses a device, and the cache is never replicated (a global index makes the partitioner
+# all-gather the cache: 845 GiB a chip for Search-R1's 3B decode over 2,560 rows on v5e-64,
+# docs/tpu.md). ``shards = 1`` is a plain gather over all B rows.
 
 
-def take_rows(cache: KVCache, rows: jax.Array | None, span: int | None) -> KVCache:
-  """The sub-cache of ``rows`` (i32[R]; index >= B = an empty row) over slots [0, span).
+def _index(axis: int, idx, span: int | None = None) -> tuple:
+  """``idx`` at ``axis``, slots [0, span) at ``axis + 1``."""
+  return (slice(None),) * axis + (idx,) + (() if span is None else (slice(0, span),))
+
+
+def gather_rows(x: jax.Array, rows: jax.Array, fill, *, shards: int = 1, axis: int = 0,
+                span: int | None = None) -> jax.Array:
+  """``x``'s rows ``rows`` along ``axis`` (slots [0, span) of the next axis), ``fill`` for
+  padding indices.
+
+  Args:
+    x: [..., B, ...] with B at ``axis``, split into ``shards`` contiguous blocks.
+    rows: i32[shards * R] block-local row indices (module comment above); >= B / shards pads.
+    fill: the value padding rows get.
+  Returns:
+    [..., shards * R, ...]: block j holds block j's rows, so it stays on block j's device.
+  """
+  if shards == 1:
+    return x.at[_index(axis, rows, span)].get(mode="fill", fill_value=fill)
+  b = x.shape[axis]
+  xs = x.reshape(x.shape[:axis] + (shards, b // shards) + x.shape[axis + 1:])
+  out = jax.vmap(lambda xi, ri: xi.at[_index(axis, ri, span)].get(mode="fill", fill_value=fill),
+                 in_axes=(axis, 0), out_axes=axis)(xs, rows.reshape(shards, -1))
+  return out.reshape(out.shape[:axis] + (-1,) + out.shape[axis + 2:])
+
+
+def scatter_rows(x: jax.Array, rows: jax.Array, values: jax.Array, *, shards: int = 1,
+                 axis: int = 0, span: int | None = None) -> jax.Array:
+  """``x`` with rows ``rows`` (as :func:`gather_rows`; padding indices dropped) set to
+  ``values`` [..., shards * R, ...] (slots [0, span) of the next axis). In place when ``x`` is
+  donated."""
+  if shards == 1:
+    return x.at[_index(axis, rows, span)].set(values, mode="drop")
+  b = x.shape[axis]
+  xs = x.reshape(x.shape[:axis] + (shards, b // shards) + x.shape[axis + 1:])
+  vs = values.reshape(values.shape[:axis] + (shards, -1) + values.shape[axis + 1:])
+  out = jax.vmap(lambda xi, ri, vi: xi.at[_index(axis, ri, span)].set(vi, mode="drop"),
+                 in_axes=(axis, 0, axis), out_axes=axis)(xs, rows.reshape(shards, -1), vs)
+  return out.reshape(x.shape)
+
+
+def take_rows(cache: KVCache, rows: jax.Array | None, span: int | None,
+              shards: int = 1) -> KVCache:
+  """The sub-cache of ``rows`` (i32[shards * R], block-local: :func:`gather_rows`; padding =
+  an empty row) over slots [0, span).
 
   ``rows=None`` keeps every row; ``span=None`` every slot. Pure indexing (no copy when both
   are None).
   """
   k, v, pos = cache.k, cache.v, cache.pos
-  if span is not None:
-    k, v = k[:, :, :span], v[:, :, :span]
-  if rows is not None:
-    k = k.at[:, rows].get(mode="fill", fill_value=0)
-    v = v.at[:, rows].get(mode="fill", fill_value=0)
-    pos = pos.at[rows].get(mode="fill", fill_value=0)
-  return KVCache(k, v, pos)
+  if rows is None:
+    if span is not None:
+      k, v = k[:, :, :span], v[:, :, :span]
+    return KVCache(k, v, pos)
+  return KVCache(gather_rows(k, rows, 0, shards=shards, axis=1, span=span),
+                 gather_rows(v, rows, 0, shards=shards, axis=1, span=span),
+                 gather_rows(pos, rows, 0, shards=shards))
 
 
-def put_rows(cache: KVCache, rows: jax.Array | None, span: int | None, sub: KVCache) -> KVCache:
-  """Writes ``sub`` (from :func:`take_rows` with the same ``rows``, ``span``) back into
-  ``cache``; rows >= B are dropped. In place when ``cache`` is donated."""
+def put_rows(cache: KVCache, rows: jax.Array | None, span: int | None, sub: KVCache,
+             shards: int = 1) -> KVCache:
+  """Writes ``sub`` (from :func:`take_rows` with the same ``rows``, ``span``, ``shards``) back
+  into ``cache``; padding rows are dropped. In place when ``cache`` is donated."""
   if rows is None and span is None:
     return sub
   if rows is None:
     zero = (0,) * cache.k.ndim
     return KVCache(jax.lax.dynamic_update_slice(cache.k, sub.k, zero),
                    jax.lax.dynamic_update_slice(cache.v, sub.v, zero), sub.pos)
-  sl = slice(None) if span is None else slice(0, span)
-  return KVCache(cache.k.at[:, rows, sl].set(sub.k, mode="drop"),
-                 cache.v.at[:, rows, sl].set(sub.v, mode="drop"),
-                 cache.pos.at[rows].set(sub.pos, mode="drop"))
+  return KVCache(scatter_rows(cache.k, rows, sub.k, shards=shards, axis=1, span=span),
+                 scatter_rows(cache.v, rows, sub.v, shards=shards, axis=1, span=span),
+                 scatter_rows(cache.pos, rows, sub.pos, shards=shards))
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,),
-                   static_argnames=("span",))
+                   static_argnames=("span", "shards"))
 def extend_last(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
                 tokens: jax.Array, lengths: jax.Array,
                 prev_logits: jax.Array, rows: jax.Array | None = None, *,
-                span: int | None = None) -> tuple[jax.Array, KVCache]:
+                span: int | None = None, shards: int = 1) -> tuple[jax.Array, KVCache]:
   """Extends the cache and returns logits at each row's last new token.
 
   With ``rows`` only those cache rows are computed (row compaction: observation extends of
@@ -153,25 +205,28 @@ def extend_last(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
     tokens: i32[B, C] right-padded new tokens; i32[R, C] with ``rows``.
     lengths: i32[B] (or i32[R]) number of valid tokens per row (0 = row unchanged).
     prev_logits: f32[B, V], returned for rows with lengths == 0 and rows not in ``rows``.
-    rows: optional i32[R] cache rows the tokens belong to; entries >= B are padding.
+    rows: optional i32[R] cache rows the tokens belong to, local to each of the ``shards``
+      blocks of rows (:func:`gather_rows`); padding entries are >= B / shards.
     span: static slot count (:meth:`gigrl.rollout.shapes.Grid.span`), None = all S_max slots.
+    shards: static: the row blocks ``rows`` indexes (the devices the rows are split over).
   Returns:
     (next_logits f32[B, V], cache).
   """
   model = nnx.merge(graphdef, state)
   lengths = lengths.astype(jnp.int32)
-  sub = take_rows(cache, rows, span)
+  sub = take_rows(cache, rows, span, shards)
   if rows is None:
     logits, sub = model_extend_last(model, sub, tokens, lengths, prev_logits)
     return logits, put_rows(cache, None, span, sub)
-  prev = prev_logits.at[rows].get(mode="fill", fill_value=0)
+  prev = gather_rows(prev_logits, rows, 0, shards=shards)
   logits, sub = model_extend_last(model, sub, tokens, lengths, prev)
-  return prev_logits.at[rows].set(logits, mode="drop"), put_rows(cache, rows, span, sub)
+  return (scatter_rows(prev_logits, rows, logits, shards=shards),
+          put_rows(cache, rows, span, sub, shards))
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames=("slots",))
+@functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames=("slots", "shards"))
 def copy_rows(cache: KVCache, logits: jax.Array, src: jax.Array, dst: jax.Array, *,
-              slots: int | None = None) -> tuple[KVCache, jax.Array]:
+              slots: int | None = None, shards: int = 1) -> tuple[KVCache, jax.Array]:
   """Copies cache rows and their next-token logits: row ``dst[i]`` becomes row ``src[i]``.
 
   How a group's G samples share one prefill (and a batch its common prefix): the prompt is
@@ -181,19 +236,23 @@ def copy_rows(cache: KVCache, logits: jax.Array, src: jax.Array, dst: jax.Array,
   Args:
     cache: KVCache with B rows (donated).
     logits: f32[B, V] next-token logits (donated).
-    src, dst: i32[N] row indices; ``dst`` entries >= B are padding (dropped), ``dst`` rows
-      distinct and never a ``src`` row.
+    src, dst: i32[N] row indices local to each of the ``shards`` blocks (:func:`gather_rows`:
+      a row is copied within its block, so within its device); ``dst`` entries >= B / shards
+      are padding (dropped), ``dst`` rows distinct and never a ``src`` row.
     slots: static: only slots [0, slots) are copied (the written ones: a destination row's
       later slots are written before any query reads them); None = all S_max slots.
+    shards: static: the row blocks.
   Returns:
     (cache, logits) with the rows copied (``pos`` included).
   """
-  src = jnp.clip(src, 0, logits.shape[0] - 1)
-  sl = slice(None) if slots is None else slice(0, int(slots))
-  k = cache.k.at[:, dst, sl].set(cache.k[:, src, sl], mode="drop")
-  v = cache.v.at[:, dst, sl].set(cache.v[:, src, sl], mode="drop")
-  pos = cache.pos.at[dst].set(cache.pos[src], mode="drop")
-  return KVCache(k, v, pos), logits.at[dst].set(logits[src], mode="drop")
+  src = jnp.clip(src, 0, logits.shape[0] // shards - 1)
+  sl = None if slots is None else int(slots)
+
+  def copy(x, axis=0, span=None):
+    got = gather_rows(x, src, 0, shards=shards, axis=axis, span=span)
+    return scatter_rows(x, dst, got, shards=shards, axis=axis, span=span)
+  return (KVCache(copy(cache.k, 1, sl), copy(cache.v, 1, sl), copy(cache.pos)),
+          copy(logits))
 
 
 # --------------------------------------------------------------------------- sampling
@@ -240,10 +299,19 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature, *, top_k: int 
   Gumbel(0, 1) noise samples softmax(logits); Gumbel 1954, Maddison et al. 2014)
   over the filtered logits, drawing the same noise as
   `jax.random.categorical(key, x)` (identical samples).
+  ``greedy``: a Python bool, or a traced bool[] (one program for both: a ``lax.cond`` runs
+  only the branch taken).
   `row_max`: optional logits.max(-1, keepdims=True), reused for greedy.
   """
+  if not isinstance(greedy, bool):
+    return jax.lax.cond(greedy, lambda: first_argmax(logits, row_max),
+                        lambda: _sampled(logits, key, temperature, top_k, top_p))
   if greedy:
     return first_argmax(logits, row_max)
+  return _sampled(logits, key, temperature, top_k, top_p)
+
+
+def _sampled(logits, key, temperature, top_k, top_p):
   x = filter_logits(logits, temperature, top_k=top_k, top_p=top_p)
   if _is_key_batch(key, x.shape[0]):
     noise = jax.vmap(lambda k: jax.random.gumbel(k, x.shape[1:], x.dtype))(key)
@@ -415,24 +483,25 @@ def _kv_pos(kv):
 
 @functools.partial(
     jax.jit, static_argnums=(0,), donate_argnums=(2,),
-    static_argnames=("max_new_tokens", "top_k", "top_p", "greedy", "span"))
+    static_argnames=("max_new_tokens", "top_k", "top_p", "span", "shards"))
 def _decode(graphdef, state, cache, next_logits, rng, active, budget, stops,
-            temperature, rows, row_ids, window, step0, *, max_new_tokens, top_k, top_p, greedy,
-            span):
+            temperature, greedy, rows, row_ids, window, step0, *, max_new_tokens, top_k, top_p,
+            span, shards):
   model = nnx.merge(graphdef, state)
   full_b, n = next_logits.shape[0], max_new_tokens
   full_cache, full_logits = cache, next_logits
   if window is None:
     window = jnp.full((full_b, stops.shape[1]), -2, jnp.int32)
   full_window = window
-  cache = take_rows(cache, rows, span)
+  cache = take_rows(cache, rows, span, shards)
   if rows is not None:
-    next_logits = next_logits.at[rows].get(mode="fill", fill_value=0)
-    active = active.at[rows].get(mode="fill", fill_value=False)
-    budget = budget.at[rows].get(mode="fill", fill_value=0)
-    window = window.at[rows].get(mode="fill", fill_value=-2)
+    take = functools.partial(gather_rows, rows=rows, shards=shards)
+    next_logits = take(next_logits, fill=0)
+    active = take(active, fill=False)
+    budget = take(budget, fill=0)
+    window = take(window, fill=-2)
     if row_ids is not None:
-      row_ids = row_ids.at[rows].get(mode="fill", fill_value=0)
+      row_ids = take(row_ids, fill=0)
   b = next_logits.shape[0]
   s_max = cache.max_len
   kv0, feed, finish = _kv_ops(model, cache)
@@ -467,18 +536,19 @@ def _decode(graphdef, state, cache, next_logits, rng, active, budget, stops,
       lengths=jnp.zeros((b,), jnp.int32), stopped=jnp.zeros((b,), bool),
       window=window)
   c = jax.lax.while_loop(cond, body, c0)
-  out_cache = put_rows(full_cache, rows, span, finish(c.kv))
+  out_cache = put_rows(full_cache, rows, span, finish(c.kv), shards)
   if rows is None:
     return DecodeOut(c.tokens, c.logprobs, c.mask, c.lengths, c.stopped, out_cache,
                      c.logits, c.window)
 
-  def scatter(x, fill):
-    return jnp.full((full_b,) + x.shape[1:], fill, x.dtype).at[rows].set(x, mode="drop")
+  def scatter(x, into):
+    if not hasattr(into, "shape"):
+      into = jnp.full((full_b,) + x.shape[1:], into, x.dtype)
+    return scatter_rows(into, rows, x, shards=shards)
   return DecodeOut(scatter(c.tokens, PAD_TOKEN), scatter(c.logprobs, 0.0),
                    scatter(c.mask, False), scatter(c.lengths, 0), scatter(c.stopped, False),
-                   out_cache, full_logits.astype(jnp.float32).at[rows].set(c.logits,
-                                                                           mode="drop"),
-                   full_window.at[rows].set(c.window, mode="drop"))
+                   out_cache, scatter(c.logits, full_logits.astype(jnp.float32)),
+                   scatter(c.window, full_window))
 
 
 def as_stop_array(stop_sequences) -> jax.Array:
@@ -501,7 +571,7 @@ def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
            temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
            greedy: bool = False, rows: jax.Array | None = None,
            row_ids: jax.Array | None = None, span: int | None = None,
-           window: jax.Array | None = None, step0: int = 0,
+           window: jax.Array | None = None, step0: int = 0, shards: int = 1,
            lower_only: bool = False) -> DecodeOut:
   """Samples up to `max_new_tokens` tokens per row inside one `lax.while_loop`.
 
@@ -522,9 +592,10 @@ def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
       left-padded with -1 (L = 1 for single stop tokens). Matched on generated tokens.
     temperature: sampling temperature (traced: no recompile when it changes).
     top_p, top_k: static nucleus / top-k truncation (1.0 / 0 = off).
-    greedy: static; argmax sampling.
-    rows: optional i32[R] the only rows computed (row compaction: a turn's unfinished rows;
-      entries >= B are padding); the others keep their cache and logits and generate nothing.
+    greedy: argmax sampling; traced (a greedy evaluation runs the sampled rollout's programs).
+    rows: optional i32[R] the only rows computed (row compaction: a turn's unfinished rows),
+      local to each of the ``shards`` blocks of rows (:func:`gather_rows`; entries >= B /
+      shards are padding); the others keep their cache and logits and generate nothing.
     row_ids: optional i32[B] global row ids: each row samples from its own key stream
       (:func:`row_keys`), so compaction does not change what it samples. Without it, one key
       per step is split from ``rng`` for the whole batch.
@@ -534,6 +605,7 @@ def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
       (i32[B, L], a previous call's ``DecodeOut.window``; default none yet) so a stop sequence
       split between two calls still ends the turn, and the decode step the call starts at
       (the per-row key streams go on from it).
+    shards: static: the row blocks ``rows`` indexes (the devices the rows are split over).
     lower_only: trace and lower the program for these arguments' shapes and return it (a
       ``jax.stages.Lowered``) without running it: its ``.compile()`` is a warm-up, after which
       a call with the same shapes compiles nothing.
@@ -541,10 +613,10 @@ def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
     DecodeOut (B rows); `logprobs` are raw-model temperature-1 log-probs (module docstring).
   """
   args = (graphdef, state, cache, next_logits, rng, active, budget,
-          as_stop_array(stop_sequences), jnp.float32(temperature), rows, row_ids,
-          window, jnp.int32(step0))
+          as_stop_array(stop_sequences), jnp.float32(temperature), jnp.bool_(greedy), rows,
+          row_ids, window, jnp.int32(step0))
   kw = dict(max_new_tokens=int(max_new_tokens), top_k=int(top_k), top_p=float(top_p),
-            greedy=bool(greedy), span=span)
+            span=span, shards=int(shards))
   if lower_only:
     return _decode.lower(*args, **kw)
   return _decode(*args, **kw)

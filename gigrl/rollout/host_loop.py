@@ -71,11 +71,20 @@ class HostLoopEngine:
     """The shape grid of ``b`` rows per process (needs ``prompt_stats``)."""
     if self.prompt_stats is None:
       raise ValueError("HostLoopEngine.grid: no prompt_stats yet (pass them, or run a batch)")
-    return shapes.Grid(self.s, b, self._devices(), self.prompt_stats, self.distinct_rows)
+    return shapes.Grid(self.s, b, self._devices(b), self.prompt_stats, self.distinct_rows)
 
-  def _devices(self) -> int:
-    """The devices this process's rows are split over (row counts are multiples of it)."""
-    return jax.local_device_count() if self.mesh is not None else 1
+  def _devices(self, b: int) -> int:
+    """The row shards of this process's ``b`` rows: its devices on the mesh's ('data', 'fsdp')
+    axes, over which the KV cache's rows are split (1 without a mesh, or when the rows do not
+    divide). Row compaction and copies stay within a shard (:func:`sampler_lib.gather_rows`),
+    and row counts are multiples of it."""
+    if self.mesh is None:
+      return 1
+    axis = int(np.prod([self.mesh.shape[a] for a in sharding_lib.BATCH]))
+    p = jax.process_count()
+    if axis % p or (b * p) % axis:
+      return 1
+    return axis // p
 
   def plan(self, b: int) -> list[shapes.Program]:
     """Every program a call of :meth:`run` with ``b`` rows per process can execute
@@ -94,18 +103,20 @@ class HostLoopEngine:
     _, cache, logits, key, row_ids = self._dummies
     r = prog.rows or b
     span = prog.span or None
+    d = self._devices(b)
     none = np.zeros(0, np.int64)
     if prog.kind in ("prefill", "extend"):
       toks = self._rows(np.zeros((r, prog.width), np.int32))
       lens = self._rows(np.zeros((r,), np.int32))
-      idx = self._global_index(none, r) if prog.rows else None
+      idx = self._shard_index(none, b, d, r) if prog.rows else None
       return sampler_lib.extend_last.lower(self.graphdef, params, cache, toks, lens, logits, idx,
-                                           span=span)
+                                           span=span, shards=self._shards(d))
     if prog.kind == "copy_rows":
-      return sampler_lib.copy_rows.lower(cache, logits, self._global_index(none, r, fill=0),
-                                         self._global_index(none, r), slots=span)
+      return sampler_lib.copy_rows.lower(cache, logits, self._shard_index(none, b, d, r, fill=0),
+                                         self._shard_index(none, b, d, r), slots=span,
+                                         shards=self._shards(d))
     if prog.kind == "decode":
-      idx = self._global_index(none, r) if prog.rows else None
+      idx = self._shard_index(none, b, d, r) if prog.rows else None
       window = (self._rows(np.full((b, self.stops.shape[1]), -2, np.int32))
                 if prog.resume else None)
       return sampler_lib.decode(
@@ -113,7 +124,7 @@ class HostLoopEngine:
           self._rows(np.zeros((b,), np.int32)), max_new_tokens=prog.width,
           stop_sequences=self.stops, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
           greedy=s.greedy, rows=idx, row_ids=row_ids, span=span, window=window,
-          step0=1 if prog.resume else 0, lower_only=True)
+          step0=1 if prog.resume else 0, shards=self._shards(d), lower_only=True)
     raise ValueError(f"unknown program kind {prog.kind!r}")
 
   def _dummy_inputs(self, b: int) -> tuple:
@@ -270,15 +281,15 @@ class HostLoopEngine:
     window, steps = None, 0
     for step, n in grid.turn_calls():
       live = np.flatnonzero(going)
-      rows = self._compact(live, grid) if s.compact_rows else None
+      rows, computed = self._compact(live, grid, decode=True) if s.compact_rows else (None, b)
       span = grid.decode_span(turn, step, n)
-      self._program(shapes.Program("decode", 0 if rows is None else len(rows)
-                                   // jax.process_count(), n, span, step > 0))
+      self._program(shapes.Program("decode", 0 if rows is None else computed, n, span,
+                                   step > 0))
       out = sampler_lib.decode(
           self.graphdef, params, cache, logits, key, self._rows(going), self._rows(left),
           max_new_tokens=n, stop_sequences=self.stops, temperature=s.temperature,
           top_p=s.top_p, top_k=s.top_k, greedy=s.greedy, rows=rows, row_ids=row_ids,
-          span=span or None, window=window, step0=step)
+          span=span or None, window=window, step0=step, shards=self._shards(grid.d))
       cache, logits, window = out.cache, out.next_logits, out.window
       toks, lens = self._local(out.tokens), self._local(out.lengths)
       stopped, lps = self._local(out.stopped), self._local(out.logprobs)
@@ -287,12 +298,11 @@ class HostLoopEngine:
         gen_lp[i] += lps[i, :lens[i]].tolist()
       took = int(turns.agree_max(int(lens.max(initial=0))))
       steps += took
-      work["rollout/token_rows"] += took * (b if rows is None else self._local_count(rows))
-      work["rollout/slot_reads"] += took * (b if rows is None else self._local_count(rows)) * (
-          span or s_max)
+      work["rollout/token_rows"] += took * computed
+      work["rollout/slot_reads"] += took * computed * (span or s_max)
       work["rollout/real_tokens"] += float(lens.sum())
       work["rollout/trajectory_tokens"] += float(lens.sum())
-      _phase(work, "decode", rows=took * (b if rows is None else self._local_count(rows)),
+      _phase(work, "decode", rows=took * computed,
              real=float(lens.sum()), weight_reads=took,
              kv=_attended(pos[live], lens[live])[1])   # each step reads every slot again
       pos += lens
@@ -307,28 +317,33 @@ class HostLoopEngine:
     """Writes every real row's prompt into the cache; returns (logits f32[B, V], cache).
 
     With ``shared_prefix`` the prompts' common prefix (``grid.prefix()`` tokens, the same
-    for every batch) is extended once, on one row, and its slots copied to every row; with
-    ``prefill_once_per_group`` each distinct prompt's tail is extended once and the other rows
-    get a copy of their first occurrence's KV rows and logits."""
+    for every batch) is extended once per row shard, on its first row, and its slots copied
+    to the shard's other rows; with ``prefill_once_per_group`` each distinct prompt's tail is
+    extended once per shard it has rows in, and the other rows get a copy of their first
+    occurrence's KV rows and logits (copies never cross a shard: :meth:`_devices`)."""
     s, b = self.s, len(prompts)
     work["rollout/trajectory_tokens"] += float(sum(len(p) for p in prompts))
     pos[:] = [len(p) for p in prompts]
+    shard = np.arange(b) // (b // grid.d)
     first: dict[tuple, int] = {}
-    rep = np.array([first.setdefault(tuple(p), i) if s.prefill_once_per_group else i
-                    for i, p in enumerate(prompts)], np.int64)
+    rep = np.array([first.setdefault((shard[i], tuple(p)), i) if s.prefill_once_per_group
+                    else i for i, p in enumerate(prompts)], np.int64)
     reps = np.flatnonzero((rep == np.arange(b)) & real)
     cut = grid.prefix()
+    heads = np.array([reps[shard[reps] == j][0] for j in range(grid.d)
+                      if np.any(shard[reps] == j)], np.int64)   # a shard's first real row
     tails_kv = _attended(np.full(len(reps), cut), [len(prompts[i]) - cut for i in reps])
-    head_kv = _attended(np.zeros(1), np.full(1, cut if len(reps) else 0))
+    head_kv = _attended(np.zeros(len(heads)), np.full(len(heads), cut))
     _phase(work, "prefill", kv=(tails_kv[0] + head_kv[0], tails_kv[1] + head_kv[1]))
     if cut:
-      head = [list(prompts[reps[0]][:cut])] if len(reps) else []
-      logits, cache = self._extend(params, cache, logits, head, reps[:len(head)], cut,
-                                   grid.span(cut), compact=True, work=work, grid=grid,
-                                   n_rows=grid.d)
-      others = np.setdiff1d(np.flatnonzero(real), reps[:1])
-      cache, logits = self._copy(cache, logits, np.full(len(others), reps[0] if len(reps)
-                                                         else 0), others, grid.span(cut), grid)
+      logits, cache = self._extend(params, cache, logits, [list(prompts[i][:cut]) for i in heads],
+                                   heads, cut, grid.span(cut), compact=True, work=work,
+                                   grid=grid, n_rows=grid.d)
+      others = np.setdiff1d(np.flatnonzero(real), heads)
+      head_of = dict(zip(shard[heads].tolist(), heads.tolist()))
+      cache, logits = self._copy(cache, logits,
+                                 np.array([head_of[shard[i]] for i in others], np.int64),
+                                 others, grid.span(cut), grid)
     tails = [list(prompts[i][cut:]) for i in reps]
     compact = s.compact_rows or s.prefill_once_per_group or s.shared_prefix
     logits, cache = self._extend(params, cache, logits, tails, reps, grid.tail_width(),
@@ -372,20 +387,21 @@ class HostLoopEngine:
     ``n_rows``); else every row of the batch, ``rows`` being all of them (padding rows get no
     tokens)."""
     b = logits.shape[0] // jax.process_count()
-    if compact:
-      local = np.asarray(rows, np.int64)
-      idx = (self._compact(local, grid, tails=kind == "prefill") if n_rows is None
-             else self._global_index(local, int(n_rows)))
-      n = self._local_count(idx)
-      toks, lens = turns.pad_rows(rows_tokens, n, width, self.tok.pad_id)
+    local = np.asarray(rows, np.int64)
+    idx, n = self._compact(local, grid, tails=kind == "prefill", total=n_rows) if compact else (
+        None, b)
+    if idx is not None:
+      toks, lens = turns.pad_rows(self._shard_order(rows_tokens, local, grid, n), n, width,
+                                  self.tok.pad_id)
       work["rollout/token_rows"] += float(n * width)
       work["rollout/slot_reads"] += float(n * width * (span or self.s.seq_len + 1))
       work["rollout/real_tokens"] += float(lens.sum())
       _phase(work, kind, rows=float(n * width), real=float(lens.sum()), weight_reads=1)
       self._program(shapes.Program(kind, n, width, span))
       return sampler_lib.extend_last(self.graphdef, params, cache, self._rows(toks),
-                                     self._rows(lens), logits, idx, span=span or None)
-    full = [[] for _ in range(b)]
+                                     self._rows(lens), logits, idx, span=span or None,
+                                     shards=self._shards(grid.d))
+    full = [[] for _ in range(b)]        # every row computed (a compacted call of all B: too)
     for i, t in zip(rows, rows_tokens):
       full[i] = t
     toks, lens = turns.pad_rows(full, b, width, self.tok.pad_id)
@@ -395,47 +411,87 @@ class HostLoopEngine:
     _phase(work, kind, rows=float(b * width), real=float(lens.sum()), weight_reads=1)
     self._program(shapes.Program(kind, 0, width, span))
     return sampler_lib.extend_last(self.graphdef, params, cache, self._rows(toks),
-                                   self._rows(lens), logits, span=span or None)
+                                   self._rows(lens), logits, None, span=span or None,
+                                   shards=self._shards(grid.d))   # as lower() calls it
 
   def _copy(self, cache, logits, src, dst, span, grid):
-    """Copies local rows ``src`` to local rows ``dst`` (KV slots [0, span) and logits), in a
-    call of all B rows (``dst`` padded); a no-op when no process has any."""
+    """Copies local rows ``src`` to local rows ``dst`` (KV slots [0, span) and logits; each
+    pair within one row shard), in a call of all B rows (``dst`` padded); a no-op when no
+    process has any."""
     if self._agree(len(dst)) == 0:
       return cache, logits
     n = grid.b
     self._program(shapes.Program("copy_rows", n, 0, span))
-    return sampler_lib.copy_rows(cache, logits, self._global_index(src, n, fill=0),
-                                 self._global_index(dst, n), slots=span or None)
+    dst = np.asarray(dst, np.int64)
+    order = np.argsort(dst // (n // grid.d), kind="stable")
+    src, dst = np.asarray(src, np.int64)[order], dst[order]
+    return sampler_lib.copy_rows(cache, logits, self._shard_index(src, n, grid.d, n, fill=0),
+                                 self._shard_index(dst, n, grid.d, n), slots=span or None,
+                                 shards=self._shards(grid.d))
 
   def _program(self, prog: shapes.Program) -> None:
     """Records a call's static shape in ``self.programs`` (one compiled program each)."""
     self.programs.add(prog)
 
-  def _compact(self, local: np.ndarray, grid: shapes.Grid, tails: bool = False) -> np.ndarray:
-    """Global row indices (identical on every process) of each process's ``local`` rows, each
-    process's list padded with an out-of-range row to the same bucketed count (``tails``:
-    :meth:`shapes.Grid.tail_rows`)."""
-    n = self._agree(len(local))
-    return self._global_index(local, grid.tail_rows(n) if tails else grid.rows(n))
-  def _global_index(self, local: np.ndarray, n: int, fill: int | None = None) -> np.ndarray:
-    b, p = self.batch_rows, jax.process_count()
-    pad = b * p if fill is None else fill
-    own = np.full((n,), pad, np.int32)
-    own[:len(local)] = np.asarray(local, np.int64) + jax.process_index() * b
-    if p == 1:
-      return own
-    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-    return np.asarray(multihost_utils.process_allgather(own)).reshape(-1)
+  def _compact(self, local: np.ndarray, grid: shapes.Grid, tails: bool = False,
+               total: int | None = None, decode: bool = False):
+    """The compacted call of this process's ``local`` rows: (index, rows computed per
+    process). The index (:meth:`_shard_index`) holds each row shard's rows, every shard padded
+    to the most any shard of any process needs, bucketed (:meth:`shapes.Grid.rows`; ``tails``:
+    :meth:`shapes.Grid.tail_rows`), or ``total`` rows per process. None when that is all B
+    rows: the call then computes every row in place (no gathered sub-cache, which would hold
+    a second copy of the cache: :meth:`shapes.Grid.call_rows`)."""
+    local = np.asarray(local, np.int64)
+    if total is None:
+      m = grid.b // grid.d
+      per = np.bincount(local // m, minlength=grid.d).max(initial=0) if len(local) else 0
+      n = self._agree(int(per) * grid.d)
+      total = grid.tail_rows(n) if tails else grid.rows(n, decode)
+    if grid.call_rows(total) == 0:
+      return None, grid.b
+    return self._shard_index(local, grid.b, grid.d, int(total)), int(total)
+
+  def _shard_index(self, local: np.ndarray, b: int, d: int, n: int, fill: int | None = None):
+    """i32[n] per process: for each of the ``d`` row shards of ``b`` rows, ``n / d`` slots
+    holding ``local``'s rows in that shard (as indices local to it, in order), then ``fill``
+    (default: past the shard's end, an empty row); a global array on several processes,
+    every process giving its own shards' blocks (:func:`sampler_lib.gather_rows`)."""
+    m, k = b // d, n // d
+    local = np.asarray(local, np.int64)
+    out = np.full((d, k), m if fill is None else fill, np.int32)
+    for j in range(d):
+      mine = local[local // m == j] - j * m
+      if len(mine) > k:
+        raise ValueError(f"row shard {j}: {len(mine)} rows in a call of {k} a shard")
+      out[j, :len(mine)] = mine
+    return self._index(out.reshape(-1))
+
+  def _index(self, idx: np.ndarray):
+    """A row index as the jitted programs take it: numpy on one process (replicated), else a
+    global array split as the rows (each process's blocks on its devices)."""
+    return idx if jax.process_count() == 1 else self._rows(idx)
+
+  @staticmethod
+  def _shards(d: int) -> int:
+    """The row shards of every process together (the ``shards`` of the sampler's calls)."""
+    return d * jax.process_count()
+
+  @staticmethod
+  def _shard_order(rows_tokens, local: np.ndarray, grid: shapes.Grid, n: int):
+    """``rows_tokens`` (one list per row of ``local``) laid out as :meth:`_shard_index` lays
+    out their rows: shard by shard, ``n / d`` slots each (empty lists pad)."""
+    m, k = grid.b // grid.d, n // grid.d
+    out = [[] for _ in range(n)]
+    fill = np.zeros(grid.d, np.int64)
+    for t, i in zip(rows_tokens, np.asarray(local, np.int64)):
+      j = int(i // m)
+      out[j * k + fill[j]] = t
+      fill[j] += 1
+    return out
 
   def _local(self, x) -> np.ndarray:
-    """This process's B rows of a per-row output (compacted outputs may come back replicated
-    over the processes: then its block is cut out)."""
-    r = turns.local_rows(x)
-    b = self.batch_rows
-    return r if r.shape[0] == b else r[jax.process_index() * b:(jax.process_index() + 1) * b]
-
-  def _local_count(self, idx: np.ndarray) -> int:
-    return len(idx) // jax.process_count()
+    """This process's B rows of a per-row output."""
+    return turns.local_rows(x)
 
   @staticmethod
   def _agree(x: int) -> int:

@@ -5,9 +5,12 @@ from a grid fixed by the settings, the rows per process and the prompts' lengths
 (:class:`PromptStats`, measured once over every question a run can roll out), never from a
 step's data:
 
-* **rows** computed by a compacted call: a multiple of ``B / rollout.row_buckets`` (and of the
-  process's devices), so a kind of call has at most ``row_buckets`` row counts;
-* **prompt widths**: the shared prefix on one row at exactly its length (the prompts' common
+* **rows** computed by a compacted call: a multiple of ``B / rollout.row_buckets`` (decode turns:
+  ``rollout.decode_row_buckets``) and of the process's row shards, so a kind of call has at
+  most that many row counts; all B rows is a call computing every row in place. On a mesh the
+  rows are split into shards, one per device of its ('data', 'fsdp') axes, and a compacted
+  call takes the same count from every shard (indices local to it: no row crosses a device);
+* **prompt widths**: the shared prefix on one row a shard at exactly its length (the prompts' common
   head: system turn, instruction), then each distinct prompt's tail at the longest tail,
   rounded up to ``rollout.width_bucket`` (0: the whole ``max_prompt_tokens`` budget);
   observations at a half, three quarters or all of the longest one the corpus can give (at
@@ -113,7 +116,9 @@ class Grid:
   Args:
     settings: :class:`gigrl.rollout.turns.RolloutSettings`.
     batch_rows: B, rows per process in every ``engine.run`` call.
-    devices: the process's devices the rows are split over (row counts are multiples of it).
+    devices: the row shards of the process's rows (its devices on the mesh's ('data', 'fsdp')
+      axes): row counts are multiples of it, and a compacted call's rows are ``devices``
+      blocks of equal size, one a shard.
     stats: the prompts' :class:`PromptStats`.
     distinct_rows: the most distinct prompts a batch holds (a step's candidate prompts, whose
       G samples are the other rows); the prompt tails are prefilled on that many rows. None:
@@ -123,18 +128,32 @@ class Grid:
   def __init__(self, settings, batch_rows: int, devices: int, stats: PromptStats,
                distinct_rows: int | None = None):
     self.s, self.b, self.d, self.stats = settings, int(batch_rows), max(1, int(devices)), stats
-    self.distinct = (None if distinct_rows is None
-                     else min(self.b, round_up(distinct_rows, self.d)))
+    self.distinct_rows = distinct_rows
+    self.distinct = None if distinct_rows is None else self.d * self._distinct_per_shard(
+        int(distinct_rows))
+
+  def _distinct_per_shard(self, distinct: int) -> int:
+    """The most distinct prompts one of the ``d`` row shards (``B / d`` contiguous rows) can
+    hold: a prompt's rows are a contiguous group of ``B / distinct`` rows, and a shard holds
+    each group it meets (its prompt is prefilled once per shard: copies stay on a device)."""
+    m = self.b // self.d
+    if self.d == 1:
+      return min(self.b, distinct)
+    if distinct <= 0 or self.b % distinct:
+      return m
+    g = self.b // distinct
+    return min(m, max(-(-((j * m) % g + m) // g) for j in range(self.d)))
 
   # ---- axes -----------------------------------------------------------------------------
-  def row_step(self) -> int:
-    """The row quantum: B / row_buckets, rounded up to a multiple of the devices."""
-    k = max(1, int(self.s.row_buckets))
+  def row_step(self, decode: bool = False) -> int:
+    """The row quantum: B / row_buckets (``decode``: ``decode_row_buckets``, 0 = the same),
+    rounded up to a multiple of the row shards."""
+    k = max(1, int((decode and self.s.decode_row_buckets) or self.s.row_buckets))
     return self.d * max(1, -(-self.b // (k * self.d)))
 
-  def rows(self, n: int) -> int:
+  def rows(self, n: int, decode: bool = False) -> int:
     """Rows computed when ``n`` are needed: ``n`` rounded up to :meth:`row_step`, at most B."""
-    q = self.row_step()
+    q = self.row_step(decode)
     return min(self.b, max(q, round_up(n, q)))
 
   def tail_rows(self, n: int) -> int:
@@ -142,8 +161,13 @@ class Grid:
     when they fit, else :meth:`rows`."""
     return self.distinct if self.distinct is not None and n <= self.distinct else self.rows(n)
 
-  def row_choices(self) -> list[int]:
-    q = self.row_step()
+  def call_rows(self, r: int) -> int:
+    """A compacted call's ``rows`` as its :class:`Program` has them: 0 (every row, computed in
+    place) when ``r`` is all B."""
+    return 0 if r >= self.b else r
+
+  def row_choices(self, decode: bool = False) -> list[int]:
+    q = self.row_step(decode)
     return sorted({min(self.b, q * i) for i in range(1, -(-self.b // q) + 1)})
 
   @property
@@ -231,23 +255,24 @@ class Grid:
     cut = self.prefix()
     grouped = s.prefill_once_per_group
     compact = s.compact_rows or grouped or s.shared_prefix
-    if cut:   # one row per device
-      out.append(Program("prefill", self.d, cut, self.span(cut)))
+    if cut:   # one row per row shard
+      out.append(Program("prefill", self.call_rows(self.d), cut, self.span(cut)))
       out.append(Program("copy_rows", self.b, 0, self.span(cut)))
     if grouped and self.distinct is not None:
       tails = [self.distinct]
     else:
       tails = sorted({self.rows(n) for n in range(1, self.b + 1)})
     for r in tails if compact else [0]:
-      out.append(Program("prefill", r, self.tail_width(), self.prompt_span()))
-    if grouped and (self.distinct is None or self.distinct < self.b):
+      out.append(Program("prefill", self.call_rows(r), self.tail_width(), self.prompt_span()))
+    if grouped and (self.distinct_rows is None or self.distinct_rows < self.b):
       out.append(Program("copy_rows", self.b, 0, self.prompt_span()))
     live = self.row_choices() if s.compact_rows else [0]
     for turn in range(s.max_turns + 1):
       for step0, n in self.turn_calls():
-        for r in live:
-          out.append(Program("decode", r, n, self.decode_span(turn, step0, n), step0 > 0))
+        for r in self.row_choices(decode=True) if s.compact_rows else [0]:
+          out.append(Program("decode", self.call_rows(r), n, self.decode_span(turn, step0, n),
+                             step0 > 0))
     for r in live:
       for w in self.obs_widths() if s.max_turns else []:
-        out.append(Program("extend", r, w, self.obs_span()))
+        out.append(Program("extend", self.call_rows(r), w, self.obs_span()))
     return sorted(set(out), key=out.index)

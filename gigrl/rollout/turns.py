@@ -39,6 +39,7 @@ class RolloutSettings:
   width_bucket: int = 32
   decode_chunk: int = 0
   row_buckets: int = 2
+  decode_row_buckets: int = 0     # decode turns' row counts; 0 = row_buckets
 
   @property
   def obs_width(self) -> int:
@@ -71,7 +72,8 @@ def settings_from_config(cfg_rollout: Any, topk_docs: int) -> RolloutSettings:
       slot_bucket=int(cfg_rollout.get("slot_bucket", 16)),
       width_bucket=int(cfg_rollout.get("width_bucket", 32)),
       decode_chunk=int(cfg_rollout.get("decode_chunk", 0)),
-      row_buckets=int(cfg_rollout.get("row_buckets", 2)))
+      row_buckets=int(cfg_rollout.get("row_buckets", 2)),
+      decode_row_buckets=int(cfg_rollout.get("decode_row_buckets", 0)))
 
 
 # Left and right contexts in which a stop tag is encoded: a byte-level BPE (Qwen2, Llama 3)

@@ -465,18 +465,17 @@ class _AbstractEngine:
   ``jax.ShapeDtypeStruct`` on a topology's mesh (no device memory, no process but this one):
   one process holding every row, split over all the slice's devices."""
 
-  def _devices(self) -> int:
-    return self.mesh.size
+  def _devices(self, b: int) -> int:
+    from gigrl.models import sharding as shd  # pylint: disable=import-outside-toplevel
+    axis = int(np.prod([self.mesh.shape[a] for a in shd.BATCH]))
+    return axis if b % axis == 0 else 1
 
   def _rows(self, local):
     local = np.asarray(local)
     return self._rows_shape(local.shape, local.dtype)
 
-  def _global_index(self, local, n, fill=None):
-    import jax  # pylint: disable=import-outside-toplevel
-    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-    return jax.ShapeDtypeStruct((int(n),), jnp.int32, sharding=jax.sharding.NamedSharding(
-        self.mesh, jax.sharding.PartitionSpec()))
+  def _index(self, idx):
+    return self._rows(idx)
 
   def _logits0(self, b):
     return self._rows_shape((b, self.model_cfg.vocab_size), np.float32)

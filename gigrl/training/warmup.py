@@ -72,8 +72,9 @@ def local_rows(total: int, rows_multiple: int) -> int:
 def engine_programs(engine, params, rows: int, stage: str) -> list[RunProgram]:
   """Every program of ``engine`` (a :class:`~gigrl.rollout.host_loop.HostLoopEngine`) for
   ``rows`` rows per process."""
-  mode = " greedy" if engine.s.greedy else " sampled"     # decode's sampling is static
-  return [RunProgram(stage, f"B={rows} " + prog.label() + (mode if prog.kind == "decode" else ""),
+  # greedy is traced in decode: an evaluation's decode turns are the RL rollout's programs
+  # when the two batches have the same rows (one label: compiled and counted once)
+  return [RunProgram(stage, f"B={rows} " + prog.label(),
                      functools.partial(engine.lower, params, rows, prog))
           for prog in engine.plan(rows)]
 

@@ -9,6 +9,7 @@ for stages in ${STAGES:-other eval logprobs update rollout sft}; do
     --stages "$stages" --results "$OUT" \
     --config.model.preset=qwen2.5-3b --config.model.vocab_size=151936 \
     --config.model.dtype=bfloat16 --config.model.param_dtype=float32 --config.model.remat=full \
+    --config.model.extend_chunk=64 \
     --config.model.mesh.fsdp=-1 --config.data.prompts_per_step=512 --config.data.group_size=5 \
     --config.rollout.max_turns=4 --config.rollout.max_new_tokens=500 \
     --config.rollout.max_obs_tokens=500 --config.rollout.max_prompt_tokens=256 \
