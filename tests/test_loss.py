@@ -160,12 +160,74 @@ class LossTest(parameterized.TestCase):
       ("loss_agg_mode", "mean", "loss.loss_agg_mode"),
       ("clip_ratio_c", 1.0, "loss.clip_ratio_c"),
       ("kl_loss_type", "k4", "loss.kl_loss_type"),
-      ("clip_ratio_low", 1.5, "loss.clip_ratio_low"))
+      ("clip_ratio_low", 1.5, "loss.clip_ratio_low"),
+      ("off_policy_correction", "is", "loss.off_policy_correction"),
+      ("is_cap", 0.5, "loss.is_cap"))
   def test_validation(self, name, value, field):
     x = random_inputs(0)
     with self.assertRaises(config_utils.ConfigError) as cm:
       loss_lib.ppo_loss(*x, **{name: value})
     self.assertEqual(cm.exception.field, field)
+
+
+class OffPolicyCorrectionTest(parameterized.TestCase):
+  """Issue #52: the behaviour policy's weights, against a hand computation on fixed log-probs."""
+
+  OLD = np.array([[-1.0, -2.0, -0.5, -3.0]], np.float32)     # log π_prox
+  BEHAV = np.array([[-1.5, -1.0, -0.5, -4.0]], np.float32)   # log π_behav
+  MASK = np.array([[1.0, 1.0, 1.0, 0.0]], np.float32)
+  # ρ = exp(old - behav) = e^0.5, e^-1, 1, (masked) e^1
+
+  def test_weights_by_hand(self):
+    rho = np.exp(self.OLD - self.BEHAV)
+    want = {"tis": np.minimum(rho, 1.5), "decoupled": np.where(rho > 1.5, 0.0, rho),
+            "none": np.ones_like(rho)}
+    for kind, w_want in want.items():
+      w, m = loss_lib.off_policy_weights(self.OLD, self.BEHAV, self.MASK, correction=kind,
+                                         cap=1.5)
+      np.testing.assert_allclose(np.asarray(w), w_want * self.MASK, rtol=1e-6, err_msg=kind)
+      self.assertAlmostEqual(float(m["is_ratio_mean"]), rho[0, :3].mean(), places=5)
+      self.assertAlmostEqual(float(m["is_ratio_max"]), np.exp(0.5), places=5)   # masked e^1 left out
+      self.assertAlmostEqual(float(m["is_capped_frac"]), 1 / 3, places=5)        # e^0.5 > 1.5
+      self.assertAlmostEqual(float(m["behaviour_abs_dlogp"]), (0.5 + 1.0 + 0.0) / 3, places=5)
+      wm = (w_want * self.MASK)[0, :3]
+      self.assertAlmostEqual(float(m["is_ess_frac"]), wm.sum() ** 2 / (3 * (wm ** 2).sum()),
+                             places=5)
+
+  def test_tis_loss_by_hand(self):
+    """token-mean of w_t · PPO-clip term, with the ratio against π_prox."""
+    logp = np.array([[-0.9, -2.3, -0.2, -3.0]], np.float32)
+    adv = np.array([[1.0, -1.0, 2.0, 5.0]], np.float32)
+    ref = np.zeros_like(logp)
+    got, m = loss_lib.ppo_loss(logp, self.OLD, ref, adv, self.MASK, off_policy_correction="tis",
+                               is_cap=1.5, behaviour_logprob=self.BEHAV)
+    ratio = np.exp(logp - self.OLD)
+    term = np.maximum(-adv * ratio, -adv * np.clip(ratio, 0.8, 1.2))
+    term = np.where(adv < 0, np.minimum(term, -adv * 3.0), term)
+    w = np.minimum(np.exp(self.OLD - self.BEHAV), 1.5)
+    want = (term * w * self.MASK).sum() / self.MASK.sum()
+    self.assertAlmostEqual(float(got), want, places=5)
+    self.assertIn("is_capped_frac", m)
+    # the weight carries no gradient: d loss / d logp = w · d term / d logp
+    g = jax.grad(lambda x: loss_lib.ppo_loss(
+        x, self.OLD, ref, adv, self.MASK, off_policy_correction="tis", is_cap=1.5,
+        behaviour_logprob=self.BEHAV)[0])(jnp.asarray(logp))
+    g0 = jax.grad(lambda x: loss_lib.ppo_loss(x, self.OLD, ref, adv, self.MASK)[0])(
+        jnp.asarray(logp))
+    np.testing.assert_allclose(np.asarray(g), np.asarray(g0) * w, rtol=1e-5, atol=1e-7)
+
+  @parameterized.parameters("tis", "decoupled")
+  def test_on_policy_is_the_uncorrected_loss(self, kind):
+    """π_behav = π_prox: every weight is 1 and the loss is today's, bit for bit."""
+    x = random_inputs(3)
+    base, _ = loss_lib.ppo_loss(*x)
+    got, m = loss_lib.ppo_loss(*x, off_policy_correction=kind, behaviour_logprob=x[1])
+    self.assertEqual(float(got), float(base))
+    self.assertEqual(float(m["is_capped_frac"]), 0.0)
+
+  def test_a_correction_needs_the_behaviour_logprobs(self):
+    with self.assertRaisesRegex(ValueError, "behaviour"):
+      loss_lib.ppo_loss(*random_inputs(0), off_policy_correction="tis")
 
 
 if __name__ == "__main__":

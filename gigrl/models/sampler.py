@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gigrl.models.transformer import KVCache, init_cache
+from gigrl.models.transformer import KVCache, gather_rows, init_cache, scatter_rows
 
 PAD_TOKEN = 0  # written into `tokens` where mask is False
 
@@ -64,11 +64,13 @@ class DecodeOut(NamedTuple):
 
 
 def model_extend_last(model, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
-                      prev_logits: jax.Array) -> tuple[jax.Array, KVCache]:
+                      prev_logits: jax.Array, *, rows: jax.Array | None = None,
+                      shards: int = 1, span: int | None = None) -> tuple[jax.Array, KVCache]:
   """`extend_last` on a merged model, for use inside a caller's own jitted program.
 
   Same arguments and result as `extend_last` (without graphdef/state; not jitted, nothing
-  donated). With `model.cfg.extend_chunk` = n > 0 and more than n new tokens, the tokens go
+  donated), except that with ``rows`` the tokens, lengths, previous and returned logits are
+  the R rows' (``Transformer.extend_hidden``: the rows are computed in the cache, in place). With `model.cfg.extend_chunk` = n > 0 and more than n new tokens, the tokens go
   in passes of n (chunked prefill, a `lax.scan`): each pass's activations are a fraction of
   one pass's, the cache and the logits are the same up to float rounding.
   """
@@ -82,18 +84,21 @@ def model_extend_last(model, cache: KVCache, tokens: jax.Array, lengths: jax.Arr
     def one_pass(carry, xs):
       cache, logits = carry
       chunk, start = xs
-      logits, cache = _extend_once(model, cache, chunk, jnp.clip(lengths - start, 0, n), logits)
+      logits, cache = _extend_once(model, cache, chunk, jnp.clip(lengths - start, 0, n), logits,
+                                   rows, shards, span)
       return (cache, logits), None
 
     (cache, logits), _ = jax.lax.scan(one_pass, (cache, prev_logits),
                                       (chunks, jnp.arange(passes, dtype=jnp.int32) * n))
     return logits, cache
-  return _extend_once(model, cache, tokens, lengths, prev_logits)
+  return _extend_once(model, cache, tokens, lengths, prev_logits, rows, shards, span)
 
 
 def _extend_once(model, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
-                 prev_logits: jax.Array) -> tuple[jax.Array, KVCache]:
-  hidden, cache = model.extend_hidden(cache, tokens, lengths)
+                 prev_logits: jax.Array, rows=None, shards: int = 1,
+                 span: int | None = None) -> tuple[jax.Array, KVCache]:
+  hidden, cache = model.extend_hidden(cache, tokens, lengths, rows=rows, shards=shards,
+                                      span=span)
   last = jnp.maximum(lengths - 1, 0)
   h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]     # [B, D]
   logits = model.logits(h)
@@ -102,55 +107,10 @@ def _extend_once(model, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
 
 # --------------------------------------------------------------------------- row and slot views
 #
-# Row compaction indexes the cache's rows. On a mesh the rows are split into ``shards``
-# contiguous blocks of B / shards rows (one per device of the ('data', 'fsdp') axes), and every
-# index is local to its block: ``rows`` i32[shards * R] holds R indices per block, each in
-# [0, B / shards) or >= B / shards for padding. A gather or scatter is then a batched one whose
-# batch dimension is the sharded one, which XLA's SPMD partitioner keeps on each device: no
-# row crosses a device, and the cache is never replicated (a global index makes the partitioner
-# all-gather the cache: 845 GiB a chip for Search-R1's 3B decode over 2,560 rows on v5e-64,
-# docs/tpu.md). ``shards = 1`` is a plain gather over all B rows.
-
-
-def _index(axis: int, idx, span: int | None = None) -> tuple:
-  """``idx`` at ``axis``, slots [0, span) at ``axis + 1``."""
-  return (slice(None),) * axis + (idx,) + (() if span is None else (slice(0, span),))
-
-
-def gather_rows(x: jax.Array, rows: jax.Array, fill, *, shards: int = 1, axis: int = 0,
-                span: int | None = None) -> jax.Array:
-  """``x``'s rows ``rows`` along ``axis`` (slots [0, span) of the next axis), ``fill`` for
-  padding indices.
-
-  Args:
-    x: [..., B, ...] with B at ``axis``, split into ``shards`` contiguous blocks.
-    rows: i32[shards * R] block-local row indices (module comment above); >= B / shards pads.
-    fill: the value padding rows get.
-  Returns:
-    [..., shards * R, ...]: block j holds block j's rows, so it stays on block j's device.
-  """
-  if shards == 1:
-    return x.at[_index(axis, rows, span)].get(mode="fill", fill_value=fill)
-  b = x.shape[axis]
-  xs = x.reshape(x.shape[:axis] + (shards, b // shards) + x.shape[axis + 1:])
-  out = jax.vmap(lambda xi, ri: xi.at[_index(axis, ri, span)].get(mode="fill", fill_value=fill),
-                 in_axes=(axis, 0), out_axes=axis)(xs, rows.reshape(shards, -1))
-  return out.reshape(out.shape[:axis] + (-1,) + out.shape[axis + 2:])
-
-
-def scatter_rows(x: jax.Array, rows: jax.Array, values: jax.Array, *, shards: int = 1,
-                 axis: int = 0, span: int | None = None) -> jax.Array:
-  """``x`` with rows ``rows`` (as :func:`gather_rows`; padding indices dropped) set to
-  ``values`` [..., shards * R, ...] (slots [0, span) of the next axis). In place when ``x`` is
-  donated."""
-  if shards == 1:
-    return x.at[_index(axis, rows, span)].set(values, mode="drop")
-  b = x.shape[axis]
-  xs = x.reshape(x.shape[:axis] + (shards, b // shards) + x.shape[axis + 1:])
-  vs = values.reshape(values.shape[:axis] + (shards, -1) + values.shape[axis + 1:])
-  out = jax.vmap(lambda xi, ri, vi: xi.at[_index(axis, ri, span)].set(vi, mode="drop"),
-                 in_axes=(axis, 0, axis), out_axes=axis)(xs, rows.reshape(shards, -1), vs)
-  return out.reshape(x.shape)
+# ``rows`` arguments index the cache's rows within ``shards`` blocks (one a device):
+# :func:`gigrl.models.transformer.gather_rows`. Extends compute their rows in the cache in place
+# (``Transformer.extend_hidden``); decode gathers its rows' sub-cache once a call
+# (:func:`take_rows`), which its steps then read and write.
 
 
 def take_rows(cache: KVCache, rows: jax.Array | None, span: int | None,
@@ -214,14 +174,12 @@ def extend_last(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache,
   """
   model = nnx.merge(graphdef, state)
   lengths = lengths.astype(jnp.int32)
-  sub = take_rows(cache, rows, span, shards)
   if rows is None:
-    logits, sub = model_extend_last(model, sub, tokens, lengths, prev_logits)
-    return logits, put_rows(cache, None, span, sub)
+    return model_extend_last(model, cache, tokens, lengths, prev_logits, span=span)
   prev = gather_rows(prev_logits, rows, 0, shards=shards)
-  logits, sub = model_extend_last(model, sub, tokens, lengths, prev)
-  return (scatter_rows(prev_logits, rows, logits, shards=shards),
-          put_rows(cache, rows, span, sub, shards))
+  logits, cache = model_extend_last(model, cache, tokens, lengths, prev, rows=rows,
+                                    shards=shards, span=span)
+  return scatter_rows(prev_logits, rows, logits, shards=shards), cache
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames=("slots", "shards"))

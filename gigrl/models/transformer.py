@@ -217,6 +217,111 @@ def write_cache(buf: jax.Array, idx: tuple, new: jax.Array, *,
   return jax.lax.bitcast_convert_type(bits, buf.dtype)
 
 
+# --------------------------------------------------------------------------- rows of a sharded cache
+#
+# Row compaction indexes the cache's rows. On a mesh the rows are split into ``shards``
+# contiguous blocks of B / shards rows (one per device of the ('data', 'fsdp') axes), and every
+# index is local to its block: ``rows`` i32[shards * R] holds R indices per block, each in
+# [0, B / shards) or >= B / shards for padding. A gather or scatter is then a batched one whose
+# batch dimension is the sharded one, which XLA's SPMD partitioner keeps on each device: no
+# row crosses a device, and the cache is never replicated (a global index makes the partitioner
+# all-gather the cache: 845 GiB a chip for Search-R1's 3B decode over 2,560 rows on v5e-64,
+# docs/tpu.md). ``shards = 1`` is a plain gather over all B rows.
+
+
+def _index(axis: int, idx, span: int | None = None) -> tuple:
+  """``idx`` at ``axis``, slots [0, span) at ``axis + 1``."""
+  return (slice(None),) * axis + (idx,) + (() if span is None else (slice(0, span),))
+
+
+def gather_rows(x: jax.Array, rows: jax.Array, fill, *, shards: int = 1, axis: int = 0,
+                span: int | None = None) -> jax.Array:
+  """``x``'s rows ``rows`` along ``axis`` (slots [0, span) of the next axis), ``fill`` for
+  padding indices.
+
+  Args:
+    x: [..., B, ...] with B at ``axis``, split into ``shards`` contiguous blocks.
+    rows: i32[shards * R] block-local row indices (module comment above); >= B / shards pads.
+    fill: the value padding rows get.
+  Returns:
+    [..., shards * R, ...]: block j holds block j's rows, so it stays on block j's device.
+  """
+  if shards == 1:
+    return x.at[_index(axis, rows, span)].get(mode="fill", fill_value=fill)
+  b = x.shape[axis]
+  xs = x.reshape(x.shape[:axis] + (shards, b // shards) + x.shape[axis + 1:])
+  out = jax.vmap(lambda xi, ri: xi.at[_index(axis, ri, span)].get(mode="fill", fill_value=fill),
+                 in_axes=(axis, 0), out_axes=axis)(xs, rows.reshape(shards, -1))
+  return out.reshape(out.shape[:axis] + (-1,) + out.shape[axis + 2:])
+
+
+def scatter_rows(x: jax.Array, rows: jax.Array, values: jax.Array, *, shards: int = 1,
+                 axis: int = 0, span: int | None = None) -> jax.Array:
+  """``x`` with rows ``rows`` (as :func:`gather_rows`; padding indices dropped) set to
+  ``values`` [..., shards * R, ...] (slots [0, span) of the next axis). In place when ``x`` is
+  donated."""
+  if shards == 1:
+    return x.at[_index(axis, rows, span)].set(values, mode="drop")
+  b = x.shape[axis]
+  xs = x.reshape(x.shape[:axis] + (shards, b // shards) + x.shape[axis + 1:])
+  vs = values.reshape(values.shape[:axis] + (shards, -1) + values.shape[axis + 1:])
+  out = jax.vmap(lambda xi, ri, vi: xi.at[_index(axis, ri, span)].set(vi, mode="drop"),
+                 in_axes=(axis, 0, axis), out_axes=axis)(xs, rows.reshape(shards, -1), vs)
+  return out.reshape(x.shape)
+
+
+def layer_slab(buf: jax.Array, layer, rows: jax.Array | None = None, *, shards: int = 1,
+               span: int | None = None) -> jax.Array:
+  """One layer's slab of a stacked cache buffer, read in one gather or slice (XLA:CPU copies a
+  dynamic slice ``buf[layer]`` whole before slicing it further).
+
+  Args:
+    buf: [L, B, S_max, KV, Dh]; layer: i32[] index.
+    rows: None (every row) or i32[shards * R] block-local rows (:func:`gather_rows`; padding
+      rows read as zeros).
+    span: slots [0, span) (default all).
+  Returns:
+    [B or shards * R, span, KV, Dh].
+  """
+  span = buf.shape[2] if span is None else int(span)
+  if rows is None:
+    start = (layer,) + (0,) * (buf.ndim - 1)
+    return jax.lax.dynamic_slice(buf, start, (1, buf.shape[1], span) + buf.shape[3:])[0]
+  if shards == 1:
+    return buf.at[layer, rows, :span].get(mode="fill", fill_value=0)
+  l, b = buf.shape[:2]
+  bs = buf.reshape((l, shards, b // shards) + buf.shape[2:])
+  out = jax.vmap(lambda bi, ri: bi.at[layer, ri, :span].get(mode="fill", fill_value=0),
+                 in_axes=(1, 0))(bs, rows.reshape(shards, -1))
+  return out.reshape((-1,) + out.shape[2:])
+
+
+def write_rows(buf: jax.Array, layer, rows: jax.Array, slots: jax.Array, new: jax.Array, *,
+               shards: int = 1, as_bits: bool = True) -> jax.Array:
+  """:func:`write_cache` of a compacted extend: ``buf[layer, rows[r], slots[r, c]] = new[r, c]``.
+
+  Args:
+    buf: the stacked cache buffer [L, B, S_max, KV, Dh].
+    layer: i32[] layer index.
+    rows: i32[shards * R] block-local rows (:func:`gather_rows`); padding rows are dropped.
+    slots: i32[shards * R, C] each new token's slot (>= S_max: dropped).
+    new: [shards * R, C, KV, Dh].
+  Returns:
+    ``buf`` updated in place (when donated); no row crosses its block.
+  """
+  r = jnp.broadcast_to(rows[:, None], slots.shape)
+  if shards == 1:
+    return write_cache(buf, (layer, r, slots), new, as_bits=as_bits)
+  l, b = buf.shape[:2]
+  bs = buf.reshape((l, shards, b // shards) + buf.shape[2:])
+  out = jax.vmap(lambda bi, ri, si, ni: write_cache(bi, (layer, ri, si), ni, as_bits=as_bits),
+                 in_axes=(1, 0, 0, 0), out_axes=1)(
+                     bs, r.reshape((shards, -1) + r.shape[1:]),
+                     slots.reshape((shards, -1) + slots.shape[1:]),
+                     new.reshape((shards, -1) + new.shape[1:]))
+  return out.reshape(buf.shape)
+
+
 # --------------------------------------------------------------------------- module
 
 
@@ -444,51 +549,70 @@ class Transformer(nnx.Module):
 
   # ---- cached forward ------------------------------------------------------
 
-  def _extend_setup(self, pos, s_max, tokens, lengths):
-    """Positions [B, C], write slots [B, C] (s_max = dropped), rows [B, C], mask."""
+  def _extend_setup(self, pos, s_max, tokens, lengths, read: int | None = None):
+    """Positions [B, C], write slots [B, C] (s_max = dropped), rows [B, C], mask [B, C, read]
+    over the first ``read`` slots (default all S_max)."""
     b, c = tokens.shape
     offs = jnp.arange(c, dtype=jnp.int32)
     positions = pos[:, None] + offs                                        # [B, C]
     # Slots of padding tokens (i >= lengths[b]) point out of range: dropped.
     slots = jnp.where(offs[None] < lengths[:, None], positions, s_max)     # [B, C]
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, c))
-    mask = jnp.arange(s_max)[None, None, :] <= positions[:, :, None]      # [B, C, S]
+    mask = jnp.arange(read or s_max)[None, None, :] <= positions[:, :, None]   # [B, C, S]
     return positions, slots, rows, mask
 
-  def extend_hidden(self, cache: KVCache, tokens: jax.Array,
-                    lengths: jax.Array) -> tuple[jax.Array, KVCache]:
+  def extend_hidden(self, cache: KVCache, tokens: jax.Array, lengths: jax.Array, *,
+                    rows: jax.Array | None = None, shards: int = 1,
+                    span: int | None = None) -> tuple[jax.Array, KVCache]:
     """Like `extend` but returns final-normed hidden [B, C, D] instead of logits.
 
     `lax.scan` over the stacked layers and the stacked cache (the program an
     accelerator runs for prefill, decode and observation insertion). With backend
     "accelerator" and `cfg.cache_block` > 0 attention reads only the filled cache
-    blocks (`attention.attend_cache_blocks`); otherwise the whole layer slab.
+    blocks (`attention.attend_cache_blocks`); otherwise the layer slab's first ``span``
+    slots (default all; every new token must land below it).
+
+    With ``rows`` (i32[shards * R] block-local cache rows, :func:`gather_rows`) ``tokens``
+    and ``lengths`` are those rows' (R-row arrays, padding rows of length 0), and the
+    rows are computed in the whole cache, in place: each layer writes its new keys and
+    values into the rows' slots (:func:`write_rows`) and gathers only its own slab of them
+    for attention. No sub-cache of the rows is made (a copy of them over every layer: on a
+    slice, as much memory again as the rows' share of the cache).
     """
     cfg = self.cfg
     s_max = cache.max_len
+    read = min(span or s_max, s_max)
     lengths = lengths.astype(jnp.int32)
-    positions, slots, rows, mask = self._extend_setup(cache.pos, s_max, tokens, lengths)
-    blocked = cfg.backend == "accelerator" and 0 < cfg.cache_block < s_max
-    n_blocks = (attn.cache_blocks_needed(positions, s_max, cfg.cache_block)
+    pos = cache.pos if rows is None else gather_rows(cache.pos, rows, 0, shards=shards)
+    positions, slots, brows, mask = self._extend_setup(pos, s_max, tokens, lengths, read)
+    blocked = cfg.backend == "accelerator" and 0 < cfg.cache_block < read
+    n_blocks = (attn.cache_blocks_needed(positions, read, cfg.cache_block)
                 if blocked else None)
     x = self.embed_tokens(tokens)
+    bits = cfg.backend == "cpu"
 
     def layer(carry, xs):
       x, ks, vs = carry
       p, i = xs
 
       def attention(q, k, v):
-        # Scatter only the B*C new entries into the carried cache (in place), then
-        # read this layer's slab (or its filled blocks) for attention.
-        bits = cfg.backend == "cpu"
-        ks2 = write_cache(ks, (i, rows, slots), k, as_bits=bits)
-        vs2 = write_cache(vs, (i, rows, slots), v, as_bits=bits)
-        if blocked:
-          o = attn.attend_cache_blocks(q, ks2, vs2, positions, block=cfg.cache_block,
-                                       n_blocks=n_blocks, layer=i)
+        # Scatter only the new entries into the carried cache (in place), then read this
+        # layer's slab (or its filled blocks) for attention.
+        if rows is None:
+          ks2 = write_cache(ks, (i, brows, slots), k, as_bits=bits)
+          vs2 = write_cache(vs, (i, brows, slots), v, as_bits=bits)
+          if blocked:
+            return attn.attend_cache_blocks(q, ks2, vs2, positions, block=cfg.cache_block,
+                                            n_blocks=n_blocks, layer=i), (ks2, vs2)
         else:
-          o = self._slab_attention(q, ks2[i].astype(q.dtype), vs2[i].astype(q.dtype),
-                                   mask)
+          ks2 = write_rows(ks, i, rows, slots, k, shards=shards, as_bits=bits)
+          vs2 = write_rows(vs, i, rows, slots, v, shards=shards, as_bits=bits)
+        kl = layer_slab(ks2, i, rows, shards=shards, span=read)
+        vl = layer_slab(vs2, i, rows, shards=shards, span=read)
+        if rows is not None and blocked:
+          return attn.attend_cache_blocks(q, kl, vl, positions, block=cfg.cache_block,
+                                          n_blocks=n_blocks), (ks2, vs2)
+        o = self._slab_attention(q, kl.astype(q.dtype), vl.astype(q.dtype), mask)
         return o, (ks2, vs2)
 
       x, (ks, vs) = self.block(p, x, positions, attention)
@@ -497,7 +621,9 @@ class Transformer(nnx.Module):
     xs = (self.layers.stacked(self.dtype), jnp.arange(cfg.num_layers))
     (x, k, v), _ = jax.lax.scan(layer, (x, cache.k, cache.v), xs,
                                 unroll=cfg.scan_unroll)
-    new_pos = jnp.minimum(cache.pos + lengths, s_max)
+    new_pos = jnp.minimum(pos + lengths, s_max)
+    if rows is not None:
+      new_pos = scatter_rows(cache.pos, rows, new_pos, shards=shards)
     x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
     return x, KVCache(k, v, new_pos)
 

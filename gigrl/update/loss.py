@@ -38,6 +38,7 @@ from gigrl import config_utils
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
              "seq-mean-token-sum-norm")
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+CORRECTIONS = ("none", "tis", "decoupled")
 
 
 def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -176,7 +177,8 @@ def policy_loss(logprob: jax.Array, old_logprob: jax.Array,
                 clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
                 clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean",
                 loss_scale_factor: float | None = None,
-                denominator: jax.Array | None = None
+                denominator: jax.Array | None = None,
+                weights: jax.Array | None = None
                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Dual-clip PPO policy loss (verl ``compute_policy_loss_vanilla``).
 
@@ -187,6 +189,8 @@ def policy_loss(logprob: jax.Array, old_logprob: jax.Array,
     clip_ratio_c: dual-clip constant c > 1.
     loss_agg_mode: see :func:`agg_loss`.
     loss_scale_factor, denominator: see :func:`agg_loss`.
+    weights: optional f32[B, S] per-token weights of the PPO term, no gradient
+      (:func:`off_policy_weights`); the aggregation's denominator is unchanged.
 
   Returns:
     (pg_loss f32[], metrics with f32[] ``pg_clipfrac``, ``ppo_kl``,
@@ -203,6 +207,8 @@ def policy_loss(logprob: jax.Array, old_logprob: jax.Array,
   clip2 = jnp.minimum(l3, clip1)
   neg = advantages < 0
   pg = jnp.where(neg, clip2, clip1)
+  if weights is not None:
+    pg = pg * jax.lax.stop_gradient(weights)
   metrics = {
       "pg_clipfrac": masked_mean((l2 > l1).astype(jnp.float32), mask),
       "ppo_kl": masked_mean(-neg_kl, mask),
@@ -213,11 +219,68 @@ def policy_loss(logprob: jax.Array, old_logprob: jax.Array,
                   denominator), metrics
 
 
+def off_policy_weights(old_logprob: jax.Array, behaviour_logprob: jax.Array,
+                       loss_mask: jax.Array, *, correction: str = "tis", cap: float = 2.0
+                       ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Per-token importance weights of the behaviour policy against the proximal one.
+
+  The tokens were sampled by π_behav (the sampler: older parameters when rollouts run ahead of
+  the update, a bf16 KV cache, other kernels); the PPO ratio is taken against π_prox, the
+  parameters at the start of the update (``old_logprob``, recomputed by the trainer). The
+  weight ``ρ = π_prox / π_behav = exp(old_logprob - behaviour_logprob)`` multiplies each
+  token's PPO term, with its gradient stopped:
+
+  * ``tis``: ``w = min(ρ, cap)``, truncated importance sampling (Yao, Liu et al., "Your
+    Efficient RL Framework Secretly Brings You Off-Policy RL Training", 2025; verl
+    ``algorithm.rollout_correction`` ``rollout_is: token``, threshold 2.0).
+  * ``decoupled``: ``w = ρ`` where ``ρ <= cap``, else 0 (the token is dropped): AReaL's
+    decoupled PPO objective, ``J = E_behav[ Σ_t (π_prox/π_behav) min(u_t A_t,
+    clip(u_t, 1-ε, 1+ε) A_t) ]`` with ``u_t = π_θ/π_prox`` (Fu et al., arXiv 2505.24298; the
+    form of ``areal/utils/functional.py::ppo_actor_loss_fn``, ``behav_imp_weight_cap``).
+  * ``none``: ``w = 1`` (the behaviour log-probs are only measured).
+
+  Args:
+    old_logprob, behaviour_logprob, loss_mask: f32[B, S] (log-probs in nats; 1 = trained).
+    correction: ``none``, ``tis`` or ``decoupled``.
+    cap: C > 0, the truncation (``tis``) or drop (``decoupled``) threshold on ρ.
+  Returns:
+    (w f32[B, S] without gradient, metrics of f32[]: ``is_ratio_mean``, ``is_ratio_max``,
+    ``is_capped_frac`` (tokens with ρ > cap), ``behaviour_abs_dlogp`` (mean |log π_prox −
+    log π_behav|), ``is_ess_frac`` ((Σw)² / (n Σw²), the effective sample size over n
+    tokens: VCPO, arXiv 2602.17616, warns of collapse when it falls)).
+  Raises:
+    ValueError: unknown ``correction``.
+  """
+  if correction not in CORRECTIONS:
+    raise ValueError(f"off_policy_correction={correction!r}; expected one of {CORRECTIONS}")
+  mask = loss_mask.astype(jnp.float32)
+  d = jax.lax.stop_gradient(old_logprob - behaviour_logprob)
+  rho = jnp.exp(jnp.clip(d, -20.0, 20.0))
+  over = (rho > cap).astype(jnp.float32)
+  if correction == "tis":
+    w = jnp.minimum(rho, cap)
+  elif correction == "decoupled":
+    w = jnp.where(rho > cap, 0.0, rho)
+  else:
+    w = jnp.ones_like(rho)
+  w = w * mask
+  n = mask.sum()
+  metrics = {
+      "is_ratio_mean": masked_mean(rho, mask),
+      "is_ratio_max": jnp.max(jnp.where(mask > 0, rho, 0.0)),
+      "is_capped_frac": masked_mean(over, mask),
+      "behaviour_abs_dlogp": masked_mean(jnp.abs(d), mask),
+      "is_ess_frac": jnp.square(w.sum()) / jnp.maximum(n * jnp.square(w).sum(), 1e-8),
+  }
+  return w, metrics
+
+
 def check_loss_options(*, clip_ratio_low: float, clip_ratio_high: float,
                        clip_ratio_c: float, loss_agg_mode: str,
                        use_kl_loss: bool, kl_loss_coef: float,
                        kl_loss_type: str, loss_scale_factor: float | None,
-                       entropy_coeff: float) -> None:
+                       entropy_coeff: float, off_policy_correction: str = "none",
+                       is_cap: float = 2.0) -> None:
   """Validates the loss options (the keyword arguments of :func:`ppo_loss`).
 
   Raises:
@@ -229,7 +292,8 @@ def check_loss_options(*, clip_ratio_low: float, clip_ratio_high: float,
       clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
       use_kl_loss=use_kl_loss, kl_loss_coef=kl_loss_coef,
       kl_loss_type=kl_loss_type, loss_scale_factor=loss_scale_factor,
-      entropy_coeff=entropy_coeff)}
+      entropy_coeff=entropy_coeff, off_policy_correction=off_policy_correction,
+      is_cap=is_cap)}
   config_utils.check_range(root, "loss.clip_ratio_low", 0.0, 1.0)
   config_utils.check_range(root, "loss.clip_ratio_high", 0.0)
   config_utils.check_range(root, "loss.clip_ratio_c", 1.0, lo_open=True)
@@ -242,6 +306,8 @@ def check_loss_options(*, clip_ratio_low: float, clip_ratio_high: float,
     config_utils.check_range(root, "loss.loss_scale_factor", 0.0,
                              lo_open=True)
   config_utils.check_range(root, "loss.entropy_coeff", 0.0)
+  config_utils.check_choice(root, "loss.off_policy_correction", CORRECTIONS)
+  config_utils.check_range(root, "loss.is_cap", 1.0)
 
 
 def ppo_loss(logprob: jax.Array, old_logprob: jax.Array,
@@ -252,6 +318,8 @@ def ppo_loss(logprob: jax.Array, old_logprob: jax.Array,
              kl_loss_coef: float = 0.001, kl_loss_type: str = "low_var_kl",
              loss_scale_factor: float | None = None,
              entropy: jax.Array | None = None, entropy_coeff: float = 0.0,
+             off_policy_correction: str = "none", is_cap: float = 2.0,
+             behaviour_logprob: jax.Array | None = None,
              denominator: jax.Array | None = None
              ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Actor loss: PPO-clip policy loss, KL loss, entropy bonus (verl dp_actor).
@@ -276,6 +344,14 @@ def ppo_loss(logprob: jax.Array, old_logprob: jax.Array,
     entropy: optional f32[B, S] per-token entropy of the policy.
     entropy_coeff: weight of the entropy bonus (needs ``entropy`` when > 0);
       verl: ``loss = pg_loss - entropy_coeff * agg(entropy)``.
+    off_policy_correction: ``none`` (today's loss), ``tis`` or ``decoupled``: the
+      PPO term of each token weighted by π_prox/π_behav, truncated or dropped above
+      ``is_cap`` (:func:`off_policy_weights`, with the equations and sources).
+      ``old_logprob`` is then π_prox, the parameters at the start of the update.
+    is_cap: the cap C on the importance ratio (verl's default threshold 2.0).
+    behaviour_logprob: optional f32[B, S] log π_behav of the sampler (the rollout's
+      ``TrajectoryBatch.behaviour_logprobs``); needed by ``tis`` and ``decoupled``, and
+      measured (``is_*`` metrics) whenever given. Not a config option.
     denominator: optional f32[] aggregation divisor of the mini-batch this
       batch is a micro-batch of (:func:`agg_denominator`; gradient
       accumulation); None = this batch's own. Not a config option.
@@ -294,14 +370,25 @@ def ppo_loss(logprob: jax.Array, old_logprob: jax.Array,
       clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
       use_kl_loss=use_kl_loss, kl_loss_coef=kl_loss_coef,
       kl_loss_type=kl_loss_type, loss_scale_factor=loss_scale_factor,
-      entropy_coeff=entropy_coeff)
+      entropy_coeff=entropy_coeff, off_policy_correction=off_policy_correction,
+      is_cap=is_cap)
   if entropy_coeff and entropy is None:
     raise ValueError("entropy_coeff > 0 needs the per-token entropy")
+  if off_policy_correction != "none" and behaviour_logprob is None:
+    raise ValueError(f"off_policy_correction={off_policy_correction!r} needs the behaviour "
+                     "log-probs")
+  weights, is_metrics = None, {}
+  if behaviour_logprob is not None:
+    weights, is_metrics = off_policy_weights(old_logprob, behaviour_logprob, loss_mask,
+                                             correction=off_policy_correction, cap=is_cap)
+    if off_policy_correction == "none":
+      weights = None
   pg, metrics = policy_loss(
       logprob, old_logprob, advantages, loss_mask,
       clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
       clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
-      loss_scale_factor=loss_scale_factor, denominator=denominator)
+      loss_scale_factor=loss_scale_factor, denominator=denominator, weights=weights)
+  metrics.update(is_metrics)
   kld = kl_penalty(logprob, ref_logprob, kl_loss_type)
   kl = agg_loss(kld, loss_mask, loss_agg_mode, loss_scale_factor, denominator)
   loss = pg + kl_loss_coef * kl if use_kl_loss else pg
@@ -321,7 +408,14 @@ def options() -> dict[str, Any]:
   are not options)."""
   return {n: p.default for n, p in inspect.signature(ppo_loss).parameters.items()
           if p.kind is inspect.Parameter.KEYWORD_ONLY
-          and n not in ("entropy", "denominator")}
+          and n not in ("entropy", "denominator", "behaviour_logprob")
+          and n not in _NOT_YET_CONFIG}
+
+
+# ppo_loss options the trainer does not pass yet: the off-policy correction needs the rollout's
+# behaviour log-probs in the update's batch (issue #52), so it is not a ``loss`` config field
+# until it is wired (a field that did nothing would be silently ignored).
+_NOT_YET_CONFIG = ("off_policy_correction", "is_cap")
 
 
 def default_config() -> ml_collections.ConfigDict:
