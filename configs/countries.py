@@ -24,7 +24,8 @@ from gigrl.data import countries
 from gigrl.models import fetch
 
 
-PRESETS = ("", "smollm2-135m", "smollm2-135m-short", "smollm2-135m-study")
+PRESETS = ("", "smollm2-135m", "smollm2-135m-short", "smollm2-135m-study",
+           "smollm2-135m-engaged")
 
 
 def get_config(arg: str | None = None):
@@ -66,9 +67,23 @@ def get_config(arg: str | None = None):
   cfg.checkpoint.keep = 2
   if arg.startswith("smollm2-135m"):
     _smollm2(cfg, short=arg.endswith("-short"))
-  if arg.endswith("-study"):
+  if arg.endswith("-study") or arg.endswith("-engaged"):
     _study(cfg, root)
+  if arg.endswith("-engaged"):
+    _engaged(cfg)
   return cfg
+
+
+def _engaged(cfg):
+  """The second estimator study (issue #51, docs/results/countries_smollm2_engaged/): the
+  study's protocol where the mechanisms can engage. Up to 4 searches, so that search counts
+  (Stratified GRPO's strata) can vary, and an RL pool of a few hundred questions, so that it
+  runs out and recycled queries become most of the accepted groups late in training. The pool
+  size and the step count come from a pilot scored on validation only (the folder's README)."""
+  cfg.rollout.max_turns = 4
+  cfg.train.rl_pool_size = 200
+  cfg.train.num_steps = 36
+  cfg.train.eval_every = 6
 
 
 def _study(cfg, root: str):

@@ -99,6 +99,8 @@ def train_config() -> ml_collections.ConfigDict:
   c.sft_only_answer_in_obs = False
   c.sft_counterfactuals = 0    # n > 0: each demonstration -> n with the answer swapped (rollout/demos)
   c.rl_skip_sft_questions = False  # RL samples only the questions after the first sft_questions
+  c.rl_pool_size = 0           # n > 0: RL samples a random n of those questions (drawn with `seed`),
+                               # a pool small enough to run out (query recycling's regime, #51)
   c.init_from = ""             # "<workdir>[@step]": a new run starts RL from the params of that
                                # run's checkpoint at the end of its SFT (step = sft_steps)
   c.copy_steps = 0             # first SFT steps on synthetic copying sequences (data/copy_task)
@@ -240,6 +242,7 @@ def _validate_train(cfg):
   check_range(cfg, "train.sft_steps", 0, integer=True)
   check_range(cfg, "train.sft_batch_size", 1, integer=True)
   check_range(cfg, "train.sft_questions", 0, integer=True)
+  check_range(cfg, "train.rl_pool_size", 0, integer=True)
   check_range(cfg, "train.sft_counterfactuals", 0, integer=True)
   check_range(cfg, "train.copy_steps", 0, integer=True, hi=int(cfg.train.sft_steps))
   if get_field(cfg, "train.rl_skip_sft_questions") and not int(cfg.train.sft_questions):

@@ -120,6 +120,25 @@ def test_rl_skip_sft_questions_needs_an_sft_prefix_and_leaves_the_rest():
     build.rl_questions(cfg.train, list("abcde"))
 
 
+def test_rl_pool_size_draws_a_seeded_subset_in_order():
+  """``train.rl_pool_size``: a random n of RL's questions, the same for the same seed, in
+  their order; more than there are is a ConfigError naming the field."""
+  from gigrl.training import build
+  cfg = config_lib.base_config()
+  qs = [f"q{i}" for i in range(50)]
+  cfg.train.rl_pool_size = 10
+  a, b = build.rl_questions(cfg.train, qs, 3), build.rl_questions(cfg.train, qs, 3)
+  assert a == b and len(set(a)) == 10 and a == sorted(a, key=qs.index)
+  assert build.rl_questions(cfg.train, qs, 4) != a
+  cfg.train.rl_skip_sft_questions, cfg.train.sft_questions = True, 45
+  cfg.train.rl_pool_size = 5
+  assert build.rl_questions(cfg.train, qs, 0) == qs[45:]
+  cfg.train.rl_pool_size = 6
+  with pytest.raises(ConfigError, match="at most the 5 questions") as e:
+    build.rl_questions(cfg.train, qs, 0)
+  assert e.value.field == "train.rl_pool_size"
+
+
 def test_apply_overrides_reads_values_by_the_fields_type():
   """``section.field=value`` (gigrl-sweep --set, gigrl-eval --set): a Python literal, else a
   string; true/false on a bool field; an int on a float field is a float; a list on a tuple

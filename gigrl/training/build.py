@@ -112,22 +112,32 @@ def load_data(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike) -> 
   return Data(train=train, eval=held_out, tokenizer=tokenizer)
 
 
-def rl_questions(t, train: list) -> list:
+def rl_questions(t, train: list, seed: int = 0) -> list:
   """The questions RL samples: all training questions, or (``train.rl_skip_sft_questions``)
-  those after the first ``train.sft_questions``, which the warm-start never demonstrated.
+  those after the first ``train.sft_questions``, which the warm-start never demonstrated; then,
+  with ``train.rl_pool_size = n``, a random n of them (numpy PCG64 seeded with ``seed``, kept
+  in their order), a pool small enough to run out.
 
   Raises:
-    ConfigError: naming ``train.rl_skip_sft_questions`` when that leaves no question.
+    ConfigError: naming ``train.rl_skip_sft_questions`` when that leaves no question, or
+      ``train.rl_pool_size`` when it exceeds the questions there are.
   """
-  if not t.rl_skip_sft_questions:
-    return train
-  rest = train[int(t.sft_questions):]
-  if not rest:
-    raise ConfigError(
-        "train.rl_skip_sft_questions", True,
-        f"False, or train.sft_questions ({t.sft_questions}) below the {len(train)} training "
-        "questions: no question is left for RL")
-  return rest
+  rest = train
+  if t.rl_skip_sft_questions:
+    rest = train[int(t.sft_questions):]
+    if not rest:
+      raise ConfigError(
+          "train.rl_skip_sft_questions", True,
+          f"False, or train.sft_questions ({t.sft_questions}) below the {len(train)} training "
+          "questions: no question is left for RL")
+  n = int(t.get("rl_pool_size", 0))
+  if not n:
+    return rest
+  if n > len(rest):
+    raise ConfigError("train.rl_pool_size", n,
+                      f"at most the {len(rest)} questions RL samples from (0 = all)")
+  keep = np.sort(np.random.default_rng(seed).choice(len(rest), n, replace=False))
+  return [rest[int(i)] for i in keep]
 
 
 def drop_overlong_prompts(questions: Sequence[qa.Question], tokenizer, max_prompt_tokens: int,
