@@ -20,7 +20,10 @@ backward and AdamW), the whole step, generated and trained tokens per second, an
 utilisation (generation 2·N·tokens/s, update 6·N·tokens/s, over this machine's measured f32
 GEMM peak). Trained tokens are every token of the update's rows, prompt included (gigrl
 `train/tokens_per_s`; TRL the prompt and completion masks). Then the ratios gigrl/TRL for each phase and the step ("speedup" = TRL time / gigrl
-time; above 1 means gigrl is faster). Completions stop at `<|im_end|>` on both sides (gigrl also
+time; above 1 means gigrl is faster), and the ceiling: the largest speedup this machine allows
+any gigrl, TRL's measured times over gigrl's floors (the update's FLOPs at the best f32 GEMM rate
+measured here in XLA or torch, the decode steps' weight reads at the measured copy bandwidth;
+`speedup_ceiling`). Completions stop at `<|im_end|>` on both sides (gigrl also
 at `</answer>`), so lengths differ a little: compare the tokens/s ratios too.
 """
 from __future__ import annotations
@@ -166,6 +169,38 @@ def summarize(rows: list[dict], n_params: int, peak: float) -> dict:
   return s
 
 
+def torch_gemm_peak_flops(n: int = 2048, repeats: int = 5) -> float | None:
+  """Best f32 FLOP/s of an n³ matrix product in torch on this machine (its threads)."""
+  try:
+    import torch  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  a = torch.ones((n, n))
+  return 2 * n ** 3 / _machine._best(lambda: a @ a, repeats)  # pylint: disable=protected-access
+
+
+def speedup_ceiling(g: dict, r: dict, n_params: int, peak: float, copy_gb_s: float,
+                    rows: int) -> dict:
+  """How fast gigrl's step could be on this machine, and so the largest speedup over TRL's
+  measured step that any gigrl could show here (issue #50: "show the floor that rules it out").
+
+  Floors, each a lower bound on gigrl's time:
+  - update: 6·N·(trained tokens) / ``peak`` FLOP/s (the best f32 GEMM rate measured here in
+    XLA or torch, whichever is higher);
+  - generation: each decode step reads the f32 weights (4·N bytes) at least once, and the loop
+    runs at least (generated tokens / rows) steps, at the measured copy bandwidth.
+
+  Returns:
+    ``update_floor_s``, ``gen_floor_s``, and the ceilings ``update``, ``gen``, ``step``: TRL's
+    time over gigrl's floor for that phase (the step: over the sum of both floors).
+  """
+  upd = 6 * n_params * g["train_tokens"] / peak
+  gen = 4 * n_params * (g["gen_tokens"] / rows) / (copy_gb_s * 1e9)
+  return {"update_floor_s": upd, "gen_floor_s": gen, "update": r["update_s"] / upd,
+          "gen": r["gen_s"] / gen, "step": r["step_s"] / (upd + gen), "peak_flops": peak,
+          "copy_gb_s": copy_gb_s}
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--hf_path", default="")
@@ -229,6 +264,17 @@ def main(argv=None) -> None:
   print(f"\ngigrl/TRL step-time ratio {g['step_s'] / r['step_s']:.3f} (speedup "
         f"{res['speedup']['step_s']:.2f}x; generation {res['speedup']['gen_s']:.2f}x, update "
         f"{res['speedup']['update_s']:.2f}x)")
+  # The largest speedup this machine allows (issue #50): TRL's measured times over gigrl's
+  # floors at this machine's own figures, measured after both sides ran.
+  best_peak = max(gemm_peak_flops(), torch_gemm_peak_flops() or 0.0)
+  copy_now = _machine.figures()["copy_gb_s"]
+  c = res["ceiling"] = speedup_ceiling(g, r, n_params, best_peak, max(copy_now, micro["copy_gb_s"]),
+                                       a.prompts * a.group)
+  print(f"ceiling here: gigrl update >= {c['update_floor_s']:.2f} s (6N x trained tokens at the "
+        f"best GEMM rate, {best_peak / 1e9:.0f} GFLOP/s), generation >= {c['gen_floor_s']:.2f} s "
+        f"(f32 weights read per decode step at {c['copy_gb_s']:.1f} GB/s); so no gigrl step can "
+        f"be more than {c['step']:.2f}x faster than TRL's here (generation {c['gen']:.2f}x, "
+        f"update {c['update']:.2f}x; targets 2.5x step, 2.0x generation)")
   if a.json:
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     res.update(device=device_name(), gigrl_over_trl_speedup=res["speedup"][

@@ -96,6 +96,9 @@ def train_config() -> ml_collections.ConfigDict:
   c.sft_learning_rate = 1e-3
   c.sft_batch_size = 16
   c.sft_questions = 0          # 0 = all training questions
+  c.sft_micro_batch_size = 0   # rows per gradient micro-batch of an SFT step (0 = the whole batch)
+  c.sft_on_rl_pool = False     # SFT demonstrates the questions RL samples (rl_pool_size's pool):
+                               # a continued-SFT control on RL's data (#51)
   c.sft_only_answer_in_obs = False
   c.sft_counterfactuals = 0    # n > 0: each demonstration -> n with the answer swapped (rollout/demos)
   c.rl_skip_sft_questions = False  # RL samples only the questions after the first sft_questions
@@ -243,6 +246,11 @@ def _validate_train(cfg):
   check_range(cfg, "train.sft_batch_size", 1, integer=True)
   check_range(cfg, "train.sft_questions", 0, integer=True)
   check_range(cfg, "train.rl_pool_size", 0, integer=True)
+  check_range(cfg, "train.sft_micro_batch_size", 0, integer=True)
+  sft_micro = int(cfg.train.sft_micro_batch_size)
+  if sft_micro and int(cfg.train.sft_batch_size) % sft_micro:
+    raise ConfigError("train.sft_micro_batch_size", sft_micro,
+                      f"a divisor of train.sft_batch_size ({cfg.train.sft_batch_size}), or 0")
   check_range(cfg, "train.sft_counterfactuals", 0, integer=True)
   check_range(cfg, "train.copy_steps", 0, integer=True, hi=int(cfg.train.sft_steps))
   if get_field(cfg, "train.rl_skip_sft_questions") and not int(cfg.train.sft_questions):

@@ -139,6 +139,23 @@ def test_rl_pool_size_draws_a_seeded_subset_in_order():
   assert e.value.field == "train.rl_pool_size"
 
 
+def test_sft_on_rl_pool_demonstrates_the_questions_rl_samples(monkeypatch):
+  """``train.sft_on_rl_pool`` (the matched continued-SFT control of #51): the demonstrations
+  are of RL's pool, not of the first ``train.sft_questions``."""
+  from gigrl.training import build
+  seen = []
+  monkeypatch.setattr(build.demos_lib, "build_demonstrations",
+                      lambda qs, *a, **k: seen.append(list(qs)) or [])
+  cfg = config_lib.base_config()
+  qs = [f"q{i}" for i in range(50)]
+  cfg.train.sft_questions, cfg.train.rl_pool_size, cfg.seed = 5, 10, 2
+  for on in (False, True):
+    cfg.train.sft_on_rl_pool = on
+    with pytest.raises(ValueError, match="no SFT demonstrations"):
+      build.sft_demonstrations(cfg, qs, None, None, None, print)
+  assert seen == [qs[:5], build.rl_questions(cfg.train, qs, 2)]
+
+
 def test_apply_overrides_reads_values_by_the_fields_type():
   """``section.field=value`` (gigrl-sweep --set, gigrl-eval --set): a Python literal, else a
   string; true/false on a bool field; an int on a float field is a float; a list on a tuple

@@ -194,6 +194,32 @@ def test_ppo_step_with_micro_batches_equals_one_micro_batch():
   _assert_same_update(out[4][0], out[1][0], policy.params)
 
 
+def test_sft_step_with_micro_batches_equals_the_whole_batch():
+  """``train.sft_micro_batch_size``: an SFT step over 4 micro-batches of 2 rows (rows with 0 to
+  13 loss tokens, one with none) gives the whole batch's metrics and update: each micro-batch
+  is weighted by its share of the loss tokens."""
+  out = {}
+  for micro in (0, 2):
+    cfg = _well_conditioned(_cfg(sft_batch_size=B, sft_micro_batch_size=micro,
+                                 sft_learning_rate=1e-2))
+    policy = _policy(0)
+    steps = build.build_steps(cfg, policy)
+    tokens, mask, _ = _batch()
+    put = lambda x, policy=policy: build.put_rows(policy.mesh, x)
+    p, _, m = steps.sft_step(_copy(policy.params), steps.init_opt(steps.sft_tx, policy.params),
+                             put(tokens), put(mask))
+    out[micro] = (p, jax.device_get(m), policy.params)
+  assert build.sft_micro_batches(_cfg(sft_batch_size=B, sft_micro_batch_size=2).train) == 4
+  assert sorted(out[0][1]) == sorted(out[2][1])
+  for k, v in out[0][1].items():
+    np.testing.assert_allclose(float(out[2][1][k]), float(v), rtol=1e-5, atol=1e-6, err_msg=k)
+  _assert_same_update(out[2][0], out[0][0], out[0][2])
+  bad = _cfg(sft_batch_size=B, sft_micro_batch_size=3)
+  with pytest.raises(ConfigError, match="a divisor of train.sft_batch_size") as e:
+    config_lib.validate(bad)
+  assert e.value.field == "train.sft_micro_batch_size"
+
+
 def test_one_update_with_micro_batches_is_on_policy_without_an_old_logprob_pass():
   """One mini-batch, one epoch, micro-batches (the SmolLM2 and query-recycling recipes): the
   step's only update is on-policy, so ppo_update makes no old log-prob pass; the update equals

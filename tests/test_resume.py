@@ -188,15 +188,24 @@ def test_structure_change_is_refused_and_loses_nothing(tmp_path, reference, pref
 def test_init_from_an_sft_run_continues_it_exactly(tmp_path, reference):
   """``train.init_from``: RL from another run's end-of-SFT checkpoint equals the RL of one run
   that did both (params restored exactly; optimizer, reference policy, pool and advantage
-  state start as they do after SFT). A checkpoint before the end of SFT is refused."""
+  state start as they do after SFT). A checkpoint before the end of SFT continues SFT from
+  its params with a fresh optimizer (its step-3 update differs from the one run's, whose Adam
+  moments carry over); an RL checkpoint is refused (exit 2, naming the field)."""
   sft = tmp_path / "sft"
   _run(sft, "--config.train.num_steps=0")                  # steps 1..3, checkpoints 2, 3
   assert [r["step"] for r in _metrics(sft)] == [1, 2, 3]
+  cont = tmp_path / "continued"
+  out = _run(cont, f"--config.train.init_from={sft}@2", "--config.train.num_steps=0")
+  assert "SFT continues to step 3 with a fresh optimizer" in out
+  rows = _metrics(cont)
+  assert [(r["step"], r["phase"]) for r in rows] == [(3, "sft")]
+  assert rows[0]["loss"] == reference[2]["loss"]           # the same params and batch at step 3
+  assert rows[0]["grad_norm"] == reference[2]["grad_norm"]
   rl = tmp_path / "rl"
-  proc = _run(rl, f"--config.train.init_from={sft}@2", ok=False)
-  assert proc.returncode == 2, proc.stderr[-2000:]
-  assert "train.init_from" in proc.stderr and "at step 2" in proc.stderr
   _run(rl, f"--config.train.init_from={sft}")
+  proc = _run(tmp_path / "rl2", f"--config.train.init_from={rl}", ok=False)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "train.init_from" in proc.stderr and "(rl)" in proc.stderr
   assert _metrics(rl) == reference[3:]
   # notebooks/export_warm_start.py (the notebook's committed warm-start): params only, the same RL.
   spec = importlib.util.spec_from_file_location(

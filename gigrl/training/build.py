@@ -284,6 +284,17 @@ def check_rows_fit_mesh(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh)
   if cfg.train.sft_steps and int(cfg.train.sft_batch_size) % n:
     raise ConfigError("train.sft_batch_size", int(cfg.train.sft_batch_size),
                       f"a multiple of the mesh's data × fsdp = {n} (mesh {shape})")
+  sft_micro = int(cfg.train.get("sft_micro_batch_size", 0))
+  if cfg.train.sft_steps and sft_micro and sft_micro % n:
+    raise ConfigError("train.sft_micro_batch_size", sft_micro,
+                      f"a multiple of the mesh's data × fsdp = {n} (mesh {shape})")
+
+
+def sft_micro_batches(t) -> int:
+  """Gradient micro-batches of an SFT step: ``train.sft_batch_size`` /
+  ``train.sft_micro_batch_size`` (0 = one, the whole batch)."""
+  micro = int(t.get("sft_micro_batch_size", 0))
+  return int(t.sft_batch_size) // micro if micro else 1
 
 
 def ppo_rows(cfg: ml_collections.ConfigDict) -> tuple[int, int]:
@@ -393,7 +404,8 @@ def build_steps(cfg: ml_collections.ConfigDict, policy: Policy) -> Steps:
   kw = dict(max_tokens=max_generated_tokens(cfg), chunk_size=int(cfg.model.logprob_chunk_size))
   sft_step = update_lib.make_step(
       update_lib.sft_loss_fn(policy.graphdef, **kw), sft_tx, lora=lora,
-      in_shardings=(policy.param_sh, opt_sh, None, None), out_shardings=out_sh)
+      in_shardings=(policy.param_sh, opt_sh, None, None), out_shardings=out_sh,
+      micro_batches=sft_micro_batches(cfg.train))
   # RL log-probs are those of the tempered distribution the rollout samples from (verl).
   rl_kw = dict(kw, temperature=float(cfg.rollout.temperature))
   rl_step = update_lib.make_step(
@@ -454,13 +466,16 @@ def build_engine(cfg: ml_collections.ConfigDict, policy: Policy, tokenizer, retr
 def sft_demonstrations(cfg: ml_collections.ConfigDict, train_questions, tokenizer, retriever,
                        settings, log: Callable[[str], None]):
   """The SFT demonstrations (:func:`gigrl.rollout.demos.build_demonstrations`) of the first
-  ``train.sft_questions`` training questions (0: all), collated.
+  ``train.sft_questions`` training questions (0: all), or with ``train.sft_on_rl_pool`` of the
+  questions RL samples (:func:`rl_questions`), collated.
 
   Raises:
     ValueError: no demonstration is left (``train.sft_only_answer_in_obs`` filtered all).
   """
   t = cfg.train
   qs = train_questions[:t.sft_questions] if t.sft_questions else train_questions
+  if t.get("sft_on_rl_pool", False):    # the questions RL samples (a matched SFT control)
+    qs = rl_questions(t, train_questions, int(cfg.seed))
   builders = demos_lib.build_demonstrations(
       qs, tokenizer, retriever, settings, only_answer_in_obs=t.sft_only_answer_in_obs,
       counterfactuals=t.sft_counterfactuals, seed=cfg.seed)

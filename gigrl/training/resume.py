@@ -133,11 +133,13 @@ class RunCheckpoints:
     """``train.init_from``: a new run starts at step ``train.sft_steps`` with the params of
     another run's checkpoint written at the end of its SFT (e.g. one warm-start shared by the
     RL runs of several estimators, ``gigrl-sweep --warm_start``). The RL optimizer, reference
-    policy, pool and advantage state start fresh, as after this run's own SFT.
+    policy, pool and advantage state start fresh, as after this run's own SFT. A checkpoint of
+    an earlier SFT step s starts this run at step s, whose SFT continues to
+    ``train.sft_steps`` with a fresh optimizer (a continued-SFT control from a warm-start).
 
     Raises:
       ConfigError: naming ``train.init_from`` when ``@step`` is not an integer or the
-        checkpoint is not at step ``train.sft_steps``.
+        checkpoint is an RL one or past step ``train.sft_steps``.
       CheckpointError / StateMismatchError: no such checkpoint, or other model params.
     """
     value = self.cfg.train.init_from
@@ -149,14 +151,16 @@ class RunCheckpoints:
       params, meta = ckpt_lib.restore_params(path, at, target)
       self._check_base(meta)
       params = self._with_base(state.replace(params=params)).params
-    sft = int(self.cfg.train.sft_steps)
-    if int(meta["step"]) != sft:
+    sft, at_step = int(self.cfg.train.sft_steps), int(meta["step"])
+    if at_step > sft or meta.get("phase") == "rl":
       raise ConfigError("train.init_from", value,
-                        f"a checkpoint at the end of SFT (step train.sft_steps = {sft}); "
+                        f"an SFT checkpoint at step train.sft_steps = {sft} or before; "
                         f"that one is at step {meta['step']} ({meta.get('phase')})")
     self.initialized_from = value
-    self.log(f"initialised from {path} step {sft} (params only; RL starts here)")
-    return state.replace(params=params, step=sft)
+    what = ("RL starts here" if at_step == sft else
+            f"SFT continues to step {sft} with a fresh optimizer")
+    self.log(f"initialised from {path} step {at_step} (params only; {what})")
+    return state.replace(params=params, step=at_step)
 
   def source_eval(self, step: int) -> dict[str, Any] | None:
     """``train.init_from``'s own held-out evaluation of the params this run starts from, when

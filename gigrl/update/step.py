@@ -330,7 +330,7 @@ def _trained_part(params, lora: bool):
 
 
 def make_step(loss_fn, tx: optax.GradientTransformation, *, lora: bool = False,
-              in_shardings=None, out_shardings=None):
+              in_shardings=None, out_shardings=None, micro_batches: int = 1):
   """Jitted ``step(params, opt_state, *batch) -> (params, opt_state, metrics)``.
 
   ``loss_fn(params, *batch) -> (loss, metrics)`` with static Python options bound in.
@@ -343,14 +343,40 @@ def make_step(loss_fn, tx: optax.GradientTransformation, *, lora: bool = False,
   ``(param_sh, opt_sh, replicated)``), so on a mesh the layout is explicit. A keyword
   ``lm_positions`` (static, one program per value) is passed on to ``loss_fn``
   (:func:`rl_loss_fn`: the LM-head positions per row).
+
+  ``micro_batches`` > 1 (``train.sft_micro_batch_size``; a token-mean loss whose batch is
+  ``(tokens i32[R, W], loss_mask f32[R, W])``, i.e. :func:`sft_loss_fn`): the rows are split
+  into that many equal micro-batches, and the gradient and metrics are accumulated
+  (``lax.scan``) with each micro-batch weighted by its share of the loss tokens
+  (``loss_mask[:, 1:]``), so they equal the whole batch's in one piece (to float rounding)
+  with one micro-batch's activations at a time. R must be divisible by ``micro_batches``.
   """
+  def grads_of(params, batch, kw):
+    trained, to_full = _trained_part(params, lora)
+    loss = lambda t: loss_fn(to_full(t), *batch, **kw)
+    (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(trained)
+    return trained, to_full, grads, metrics
+
   def make(lm_positions):
     kw = {} if lm_positions is None else {"lm_positions": lm_positions}
 
     def step(params, opt_state, *batch):
-      trained, to_full = _trained_part(params, lora)
-      loss = lambda t: loss_fn(to_full(t), *batch, **kw)
-      (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(trained)
+      if micro_batches == 1:
+        trained, to_full, grads, metrics = grads_of(params, batch, kw)
+      else:
+        trained, to_full = _trained_part(params, lora)
+        split = lambda x: x.reshape((micro_batches, x.shape[0] // micro_batches) + x.shape[1:])
+        xs = tuple(map(split, batch))
+        n_tok = jnp.maximum(batch[1][:, 1:].sum(), 1.0)
+
+        def body(acc, x):
+          _, _, g, m = grads_of(params, x, kw)
+          w = x[1][:, 1:].sum() / n_tok
+          return jax.tree.map(lambda a, b: a + w * b, acc, (g, m)), None
+
+        shapes = jax.eval_shape(lambda: grads_of(params, tuple(x[0] for x in xs), kw)[2:])
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+        (grads, metrics), _ = jax.lax.scan(body, zeros, xs)
       trained, opt_state, metrics = _apply_grads(tx, trained, opt_state, grads, metrics)
       return to_full(trained), opt_state, metrics
     return step
