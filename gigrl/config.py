@@ -167,6 +167,12 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
   search.validate(cfg.search)
   advantages.validate(cfg.advantage)
   loss.validate(cfg.loss)
+  if get_field(cfg, "loss.off_policy_correction") != "none" and float(
+      get_field(cfg, "rollout.temperature")) != 1.0:
+    # the sampler records temperature-1 log-probs (rollout.trajectory); the trainer's are tempered
+    raise ConfigError("loss.off_policy_correction", cfg.loss.off_policy_correction,
+                      "'none' when rollout.temperature != 1 (the behaviour log-probs are "
+                      "recorded at temperature 1)")
   pool_lib.validate_pool_config(cfg.data.pool)
 
 

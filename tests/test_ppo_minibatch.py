@@ -353,3 +353,81 @@ def test_rl_logprobs_are_of_the_rollout_temperature():
                               chunk_size=int(cfg.model.logprob_chunk_size))(
                                   policy.params, tokens, mask)
   assert np.abs((np.asarray(raw) - got) * m).max() > 1e-2     # temperature 1 differs
+
+
+def _behaviour(steps, params, tokens, mask, put, shift):
+  """The sampler's log-probs aligned with ``tokens`` (f32[B, S], as
+  ``TrajectoryBatch.behaviour_logprobs``): the trainer's own at these params, minus ``shift``."""
+  lp = np.asarray(steps.logprob_step(params, put(tokens), put(mask)))
+  pos = np.asarray(update_lib.compact_positions(mask[:, 1:], lp.shape[1]))
+  out = np.zeros(tokens.shape, np.float32)
+  np.put_along_axis(out[:, 1:], pos, lp - shift, axis=1)
+  return out * mask
+
+
+@pytest.mark.parametrize("micro", [0, 2])
+@pytest.mark.parametrize("correction,shift,weight", [
+    ("tis", 0.3, np.exp(0.3)), ("tis", 1.0, 2.0), ("decoupled", 0.3, np.exp(0.3)),
+    ("decoupled", 1.0, 0.0)])
+def test_off_policy_correction_weights_the_policy_gradient(micro, correction, shift, weight):
+  """``loss.off_policy_correction`` through ``ppo_update`` (one update: ``rl_step``, or the
+  on-policy micro-batched ``ppo_step``): with the behaviour log-probs ``shift`` nats below the
+  proximal policy's (the params at the start of the update), every token's ratio is
+  ρ = e^shift; ``tis`` weights the policy-gradient loss by min(ρ, 2), ``decoupled`` by ρ, or
+  drops every token when ρ > 2. The KL and entropy terms are not weighted. By hand:
+  pg_loss = weight × pg_loss without correction."""
+  out = {}
+  for corr in ("none", correction):
+    cfg = _cfg(micro_batch_size=micro)
+    cfg.loss.off_policy_correction = corr
+    policy, ref = _policy(0), _policy(1).params
+    steps = build.build_steps(cfg, policy)
+    assert steps.behaviour == (corr != "none")
+    tokens, mask, adv = _batch()
+    put = lambda x, policy=policy: build.put_rows(policy.mesh, x)
+    behav = _behaviour(steps, policy.params, tokens, mask, put, shift)
+    _, _, m = update_lib.ppo_update(
+        steps, _copy(policy.params), steps.init_opt(steps.rl_tx, policy.params), ref, tokens,
+        mask, adv, put=put, mini_batch_rows=B, epochs=1, micro_batch_rows=micro, seed=0,
+        step=1, behaviour=behav if steps.behaviour else None)
+    out[corr] = m
+  m0, m1 = out["none"], out[correction]
+  assert "is_ratio_mean" not in m0
+  np.testing.assert_allclose(m1["pg_loss"], weight * m0["pg_loss"], rtol=2e-4, atol=1e-7)
+  np.testing.assert_allclose(m1["kl"], m0["kl"], rtol=1e-5)
+  np.testing.assert_allclose(m1["is_ratio_mean"], np.exp(shift), rtol=1e-4)
+  np.testing.assert_allclose(m1["is_ratio_max"], np.exp(shift), rtol=1e-4)
+  np.testing.assert_allclose(m1["behaviour_abs_dlogp"], shift, rtol=1e-4)
+  np.testing.assert_allclose(m1["is_capped_frac"], 1.0 if np.exp(shift) > 2 else 0.0, atol=1e-6)
+
+
+def test_off_policy_correction_with_ppo_mini_batches_uses_the_proximal_logprobs():
+  """The mini-batch path: the old log-probs (π_prox, computed once before the updates) and the
+  behaviour log-probs both reach ``ppo_step``; its first update's pg_loss is weighted by
+  ρ = π_prox / π_behav = e^0.3 (``tis``)."""
+  out = {}
+  for corr in ("none", "tis"):
+    cfg = _cfg()
+    cfg.loss.off_policy_correction = corr
+    policy, ref = _policy(0), _policy(1).params
+    steps = build.build_steps(cfg, policy)
+    tokens, mask, adv = _batch()
+    put = lambda x, policy=policy: build.put_rows(policy.mesh, x)
+    old = steps.logprob_step(policy.params, put(tokens), put(mask))
+    extra = (put(_behaviour(steps, policy.params, tokens, mask, put, 0.3)),) * steps.behaviour
+    _, _, m = steps.ppo_step(1)(_copy(policy.params), steps.init_opt(steps.rl_tx, policy.params),
+                                ref, put(tokens), put(mask), put(adv), old, *extra)
+    out[corr] = jax.device_get(m)
+  np.testing.assert_allclose(float(out["tis"]["pg_loss"]), np.exp(0.3) * float(
+      out["none"]["pg_loss"]), rtol=2e-4)
+  np.testing.assert_allclose(float(out["tis"]["is_ratio_mean"]), np.exp(0.3), rtol=1e-4)
+
+
+def test_off_policy_correction_needs_temperature_one():
+  cfg = _cfg()
+  cfg.loss.off_policy_correction = "tis"
+  config_lib.validate(cfg)
+  cfg.rollout.temperature = 0.7
+  with pytest.raises(ConfigError, match="recorded at temperature 1") as e:
+    config_lib.validate(cfg)
+  assert e.value.field == "loss.off_policy_correction"

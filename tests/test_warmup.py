@@ -57,6 +57,9 @@ def run(tmp_path_factory):
   cfg.train.compile_cache = ""           # no persistent cache: every compile is a real one
   cfg.train.sample_every = 100
   cfg.checkpoint.every_steps = 2
+  # the off-policy correction's update programs (one more array) are warmed up too, and the
+  # sampler's log-probs it reads are checked against the trainer's (#52)
+  cfg.loss.off_policy_correction = "tis"
   workdir = str(tmp_path_factory.mktemp("warmup"))
   t = trainer_lib.Trainer(cfg, workdir)
   monitoring.register_event_duration_secs_listener(_on_duration)
@@ -117,6 +120,21 @@ def test_metrics_log_the_warm_up_and_zero_compiles(run):
   assert all(r["time/rollout_compile_s"] == 0 and r["time/update_compile_s"] == 0 for r in rl)
   ev = [r for r in rows if r["phase"] == "eval"]
   assert ev and all(r.get("eval/time/rollout_compile_s", 0) == 0 for r in ev)
+
+
+def test_the_samplers_logprobs_are_the_trainers(run):
+  """At staleness 0 with an f32 sampler the behaviour log-probs recorded at generation equal
+  the trainer's log-probs of the same tokens (π_prox, the params at the start of the update) to
+  float rounding: the importance ratio is 1 and nothing is truncated (#52)."""
+  import json  # pylint: disable=import-outside-toplevel
+  _, _, workdir = run
+  rl = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+  rl = [r for r in rl if r["phase"] == "rl" and r["update/rows"] > 0]
+  assert rl
+  for r in rl:
+    assert r["behaviour_abs_dlogp"] < 1e-3, r["behaviour_abs_dlogp"]
+    assert abs(r["is_ratio_mean"] - 1) < 1e-3 and r["is_capped_frac"] == 0
+    assert r["is_ess_frac"] > 0.999
 
 
 @pytest.mark.slow

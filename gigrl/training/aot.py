@@ -333,9 +333,10 @@ def compile_programs(cfg, topology: str, programs: Sequence[str] = PROGRAMS,
     whole = single and micro >= rows
     toks, mask, adv = (rows_spec((mini, s_len), dt) for dt in
                        (jnp.int32, jnp.float32, jnp.float32))
+    behav = (rows_spec((mini, s_len), jnp.float32),) if steps.behaviour else ()
     if "rl_step" in programs and whole:
       run("rl_step", f"{rows} rows x {s_len} tokens",
-          lambda: _jitted(steps.rl_step).lower(params, opt_state, ref, toks, mask, adv),
+          lambda: _jitted(steps.rl_step).lower(params, opt_state, ref, toks, mask, adv, *behav),
           flops(rows * s_len, train_factor))
     elif "rl_step" in programs:
       n_micro = mini // min(micro, mini)
@@ -343,7 +344,7 @@ def compile_programs(cfg, topology: str, programs: Sequence[str] = PROGRAMS,
       old = None if single else rows_spec((mini, k), jnp.float32)
       run("rl_step", f"{mini} rows ({n_micro} x {mini // n_micro}) x {s_len} tokens",
           lambda: _jitted(steps.ppo_step(n_micro, on_policy=single)).lower(
-              params, opt_state, ref, toks, mask, adv, old),
+              params, opt_state, ref, toks, mask, adv, old, *behav),
           flops(mini * s_len, train_factor))
     if "old_logprobs" in programs and not single:
       # update.old_logprobs: one PPO micro-batch of rows per call

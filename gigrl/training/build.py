@@ -363,6 +363,9 @@ class Steps:
       ``packed``: three more arguments, positions, segment and prefix ids of packed rows;
       :func:`gigrl.update.step.make_ppo_step`), compiled once per (count, on_policy, packed).
     logprob_step: ``(params, tokens, loss_mask) -> old log-probs f32[B, K]``.
+    behaviour: the RL steps take the sampler's log-probs (f32[R, W], after
+      ``token_advantages`` in ``rl_step``, after ``old_logprobs`` in ``ppo_step``): the
+      off-policy correction is on (:func:`uses_behaviour`).
   """
   sft_tx: optax.GradientTransformation
   rl_tx: optax.GradientTransformation
@@ -372,6 +375,13 @@ class Steps:
   init_opt: Callable
   ppo_step: Callable = None
   logprob_step: Callable = None
+  behaviour: bool = False
+
+
+def uses_behaviour(cfg: ml_collections.ConfigDict) -> bool:
+  """Whether the RL update reads the rollout's behaviour log-probs: ``loss.off_policy_correction``
+  is ``tis`` or ``decoupled`` (:func:`gigrl.update.loss.off_policy_weights`)."""
+  return str(cfg.loss.get("off_policy_correction", "none")) != "none"
 
 
 def in_mesh(fn: Callable, mesh: jax.sharding.Mesh) -> Callable:
@@ -408,10 +418,11 @@ def build_steps(cfg: ml_collections.ConfigDict, policy: Policy) -> Steps:
       micro_batches=sft_micro_batches(cfg.train))
   # RL log-probs are those of the tempered distribution the rollout samples from (verl).
   rl_kw = dict(kw, temperature=float(cfg.rollout.temperature))
+  behaviour = uses_behaviour(cfg)
   rl_step = update_lib.make_step(
       update_lib.rl_loss_fn(policy.graphdef, loss_options=loss_lib.kwargs_from_config(cfg.loss),
                             **rl_kw), rl_tx, lora=lora,
-      in_shardings=(policy.param_sh, opt_sh, ref_sh, None, None, None),
+      in_shardings=(policy.param_sh, opt_sh, ref_sh, None, None, None) + (None,) * behaviour,
       out_shardings=out_sh)
 
   inits = {}      # one jitted init per optimizer (compiled once; the warm-up lowers it)
@@ -427,15 +438,17 @@ def build_steps(cfg: ml_collections.ConfigDict, policy: Policy) -> Steps:
   def ppo_step(micro_batches: int, on_policy: bool = False, packed: bool = False):
     return in_mesh(update_lib.make_ppo_step(
         policy.graphdef, rl_tx, micro_batches=micro_batches, on_policy=on_policy, lora=lora,
-        loss_options=loss_lib.kwargs_from_config(cfg.loss), packed=packed,
-        in_shardings=(policy.param_sh, opt_sh, ref_sh) + (None,) * (7 if packed else 4),
+        loss_options=loss_lib.kwargs_from_config(cfg.loss), packed=packed, behaviour=behaviour,
+        in_shardings=(policy.param_sh, opt_sh, ref_sh)
+        + (None,) * (4 + behaviour + (3 if packed else 0)),
         out_shardings=out_sh, **rl_kw), policy.mesh)
 
   logprob_step = in_mesh(jax.jit(update_lib.logprob_fn(policy.graphdef, **rl_kw),
                                  in_shardings=(policy.param_sh, None, None)), policy.mesh)
   return Steps(sft_tx=sft_tx, rl_tx=rl_tx, opt_sh=opt_sh,
                sft_step=in_mesh(sft_step, policy.mesh), rl_step=in_mesh(rl_step, policy.mesh),
-               init_opt=init_opt, ppo_step=ppo_step, logprob_step=logprob_step)
+               init_opt=init_opt, ppo_step=ppo_step, logprob_step=logprob_step,
+               behaviour=behaviour)
 
 
 # ------------------------------------------------------------------------------ advantages

@@ -227,7 +227,8 @@ class Trainer:
         max_lm_positions=build.max_generated_tokens(cfg),
         pack=bool(cfg.train.pack_update_rows) and update_lib.packing_allowed(
             cfg.loss.loss_agg_mode,
-            float(cfg.model.lora.dropout) if int(cfg.model.lora.rank) else 0.0))
+            float(cfg.model.lora.dropout) if int(cfg.model.lora.rank) else 0.0),
+        behaviour=self.steps.behaviour)
     self.state = self.state.replace(params=params, opt_state=opt_state)
     # 6. log
     search_m = distributed.reduce_metrics({   # this step's (the counters are cumulative)

@@ -100,17 +100,20 @@ def update_programs(cfg, steps, mesh, params, opt_state, ref_params, put: Callab
       return (put(np.zeros((n, w), np.int32)), put(np.zeros((n, w), np.float32)),
               put(np.zeros((n, w), np.float32)))
 
+    def behav(n, w=w):    # the sampler's log-probs, when the off-policy correction reads them
+      return (put(np.zeros((n, w), np.float32)),) if steps.behaviour else ()
+
     if mini >= b and epochs == 1 and micro >= b:
       def lower(w=w, kw=kw):
         with jax.set_mesh(mesh):
           return steps.rl_step.jit_for(kw.get("lm_positions")).lower(
-              params, opt_state, ref_params, *rows(b, w))
+              params, opt_state, ref_params, *rows(b, w), *behav(b, w))
       out.append(RunProgram("update", "rl_step" + label, lower))
     elif mini >= b and epochs == 1:
       def lower(w=w, kw=kw):
         with jax.set_mesh(mesh):
           return steps.ppo_step(b // micro, on_policy=True).jit_for(kw.get("lm_positions")).lower(
-              params, opt_state, ref_params, *rows(b, w), None)
+              params, opt_state, ref_params, *rows(b, w), None, *behav(b, w))
       out.append(RunProgram("update", f"ppo_step[{b // micro} micro-batches]" + label, lower))
     else:
       chunk = min(micro, mini)
@@ -127,7 +130,7 @@ def update_programs(cfg, steps, mesh, params, opt_state, ref_params, put: Callab
         with jax.set_mesh(mesh):
           return steps.ppo_step(n_micro).jit_for(kw.get("lm_positions")).lower(
               params, opt_state, ref_params, *rows(mini, w),
-              put(np.zeros((mini, k_old), np.float32)))
+              put(np.zeros((mini, k_old), np.float32)), *behav(mini, w))
       out.append(RunProgram("update", f"ppo_step[{n_micro} micro-batches]" + label, lower))
   return out
 

@@ -408,14 +408,7 @@ def options() -> dict[str, Any]:
   are not options)."""
   return {n: p.default for n, p in inspect.signature(ppo_loss).parameters.items()
           if p.kind is inspect.Parameter.KEYWORD_ONLY
-          and n not in ("entropy", "denominator", "behaviour_logprob")
-          and n not in _NOT_YET_CONFIG}
-
-
-# ppo_loss options the trainer does not pass yet: the off-policy correction needs the rollout's
-# behaviour log-probs in the update's batch (issue #52), so it is not a ``loss`` config field
-# until it is wired (a field that did nothing would be silently ignored).
-_NOT_YET_CONFIG = ("off_policy_correction", "is_cap")
+          and n not in ("entropy", "denominator", "behaviour_logprob")}
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -423,6 +416,8 @@ def default_config() -> ml_collections.ConfigDict:
 
   ``loss_scale_factor`` is 0.0 in the config (= None: divide by the padded
   length), because a locked ConfigDict cannot hold None for a float field.
+  ``off_policy_correction`` (``none``) and ``is_cap`` (2.0) are the off-policy correction of
+  asynchronous or lower-precision rollouts (:func:`off_policy_weights`; issue #52).
   """
   c = ml_collections.ConfigDict(
       {k: (0.0 if v is None else v) for k, v in options().items()})

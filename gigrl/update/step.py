@@ -196,7 +196,8 @@ def rl_loss(params, graphdef, ref_params, tokens: jax.Array, loss_mask: jax.Arra
             token_advantages: jax.Array, old_logprobs: jax.Array | None = None,
             denominator: jax.Array | None = None, *, max_tokens: int, chunk_size: int,
             loss_options: dict[str, Any], temperature: float = 1.0,
-            packing: tuple[jax.Array, ...] | None = None):
+            packing: tuple[jax.Array, ...] | None = None,
+            behaviour_logprobs: jax.Array | None = None):
   """The RL actor loss: :func:`gigrl.update.loss.ppo_loss` on the policy's own tokens.
 
   With ``old_logprobs=None`` (one update per RL step, on fresh rollouts) the old log-probs
@@ -226,9 +227,15 @@ def rl_loss(params, graphdef, ref_params, tokens: jax.Array, loss_mask: jax.Arra
       :func:`gigrl.update.loss.kwargs_from_config`).
     packing: optional (positions, segment_ids, prefix_ids) of packed rows
       (:func:`masked_logprobs`).
+    behaviour_logprobs: optional f32[B, S] aligned with ``tokens``: the sampler's log-prob of
+      each generated token (``TrajectoryBatch.behaviour_logprobs``), for the off-policy
+      correction (``loss_options['off_policy_correction']``,
+      :func:`gigrl.update.loss.off_policy_weights`: π_prox / π_behav with π_prox the old
+      log-probs, i.e. the params at the start of the update). Compacted like the advantages.
   Returns:
     (loss f32[], metrics dict: loss, pg_loss, kl, entropy, pg_clipfrac, ppo_kl,
-    pg_clipfrac_lower).
+    pg_clipfrac_lower; with ``behaviour_logprobs`` also is_ratio_mean, is_ratio_max,
+    is_capped_frac, behaviour_abs_dlogp, is_ess_frac).
   """
   kw = dict(max_tokens=max_tokens, chunk_size=chunk_size, temperature=temperature,
             packing=packing)
@@ -243,8 +250,11 @@ def rl_loss(params, graphdef, ref_params, tokens: jax.Array, loss_mask: jax.Arra
     ref_logp = jax.lax.stop_gradient(logp)
   adv = jnp.take_along_axis(token_advantages[:, 1:], pos, axis=1)
   old_logp = jax.lax.stop_gradient(logp if old_logprobs is None else old_logprobs)
+  behav = None if behaviour_logprobs is None else jnp.take_along_axis(
+      behaviour_logprobs[:, 1:], pos, axis=1)
   total, metrics = loss_lib.ppo_loss(logp, old_logp, ref_logp, adv, mask, entropy=entropy,
-                                     denominator=denominator, **loss_options)
+                                     denominator=denominator, behaviour_logprob=behav,
+                                     **loss_options)
   return total, {"loss": total, **metrics}
 
 
@@ -258,14 +268,17 @@ def sft_loss_fn(graphdef, *, max_tokens: int, chunk_size: int) -> Callable:
 
 def rl_loss_fn(graphdef, *, max_tokens: int, chunk_size: int,
                loss_options: dict[str, Any], temperature: float = 1.0) -> Callable:
-  """``loss_fn(params, ref_params, tokens, loss_mask, token_advantages, lm_positions=None)``
-  for :func:`make_step` (RL); ``lm_positions`` (static int): K, the LM-head positions per
-  row, at most ``max_tokens`` (None = ``max_tokens``; :func:`_trimmed_norm`)."""
-  def fn(params, ref_params, tokens, loss_mask, token_advantages, lm_positions=None):
+  """``loss_fn(params, ref_params, tokens, loss_mask, token_advantages,
+  behaviour_logprobs=None, lm_positions=None)`` for :func:`make_step` (RL); ``lm_positions``
+  (static int): K, the LM-head positions per row, at most ``max_tokens`` (None =
+  ``max_tokens``; :func:`_trimmed_norm`); ``behaviour_logprobs``: f32[B, S] (:func:`rl_loss`)."""
+  def fn(params, ref_params, tokens, loss_mask, token_advantages, behaviour_logprobs=None,
+         lm_positions=None):
     k = max_tokens if lm_positions is None else min(int(lm_positions), max_tokens)
     return rl_loss(params, graphdef, ref_params, tokens, loss_mask, token_advantages, None,
                    _trimmed_norm(loss_options, max_tokens, lm_positions), max_tokens=k,
-                   chunk_size=chunk_size, loss_options=loss_options, temperature=temperature)
+                   chunk_size=chunk_size, loss_options=loss_options, temperature=temperature,
+                   behaviour_logprobs=behaviour_logprobs)
   return fn
 
 
@@ -388,7 +401,18 @@ def make_step(loss_fn, tx: optax.GradientTransformation, *, lora: bool = False,
 # Metrics that are masked means per micro-batch (weighted by tokens when accumulated);
 # the other loss metrics are sums over micro-batches (each divided by the mini-batch's
 # aggregation denominator).
-_TOKEN_MEAN_METRICS = ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")
+_TOKEN_MEAN_METRICS = ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower", "is_ratio_mean",
+                       "is_capped_frac", "behaviour_abs_dlogp", "is_ess_frac")
+# ... and metrics that are maxima (the largest over micro-batches).
+_MAX_METRICS = ("is_ratio_max",)
+
+
+def _combine(acc, new):
+  """Accumulates (grads, metrics) over micro-batches: sums, maxima for :data:`_MAX_METRICS`."""
+  grads = jax.tree.map(jnp.add, acc[0], new[0])
+  metrics = {k: (jnp.maximum if k in _MAX_METRICS else jnp.add)(v, new[1][k])
+             for k, v in acc[1].items()}
+  return grads, metrics
 
 
 def logprob_fn(graphdef, *, max_tokens: int, chunk_size: int,
@@ -407,10 +431,17 @@ def logprob_fn(graphdef, *, max_tokens: int, chunk_size: int,
 def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: int,
                   max_tokens: int, chunk_size: int, loss_options: dict[str, Any],
                   on_policy: bool = False, temperature: float = 1.0, lora: bool = False,
-                  packed: bool = False, in_shardings=None, out_shardings=None):
+                  packed: bool = False, behaviour: bool = False, in_shardings=None,
+                  out_shardings=None):
   """Jitted ``step(params, opt_state, ref_params, tokens, loss_mask, token_advantages,
   old_logprobs) -> (params, opt_state, metrics)``: one optimizer update on a mini-batch, its
   gradient accumulated over ``micro_batches`` equal micro-batches (``lax.scan``).
+
+  ``behaviour``: the step takes one more array after ``old_logprobs``, the sampler's
+  log-probs f32[R, W] aligned with ``tokens`` (:func:`rl_loss`'s ``behaviour_logprobs``, the
+  off-policy correction); the importance-ratio metrics are token-weighted over micro-batches,
+  ``is_ratio_max`` their maximum, and ``is_ess_frac`` the token-weighted mean of the
+  micro-batches' effective-sample-size fractions.
 
   ``on_policy``: the step's only update on fresh rollouts; ``old_logprobs`` is ``None`` and the
   old log-probs are the current ones (``stop_gradient``, as :func:`rl_loss` with ``None``):
@@ -447,7 +478,8 @@ def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: 
   lsf = loss_options["loss_scale_factor"]
 
   def step(params, opt_state, ref_params, tokens, loss_mask, token_advantages, old_logprobs,
-           *packing, lm_positions):
+           *rest, lm_positions):
+    behav, packing = (rest[0], rest[1:]) if behaviour else (None, rest)
     trained, to_full = _trained_part(params, lora)
     shifted = loss_mask[:, 1:]
     if packed:
@@ -462,25 +494,28 @@ def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: 
     fixed = _trimmed_norm(loss_options, max_tokens, lm_positions)
     denom = denom if fixed is None else fixed
 
-    def micro_loss(params, ref_params, tokens, mask, adv, old, *pack_and_denom):
-      *pack, denom = pack_and_denom
+    def micro_loss(params, ref_params, tokens, mask, adv, old, *rest_and_denom):
+      *rest, denom = rest_and_denom
+      b_lp, pack = (rest[0], rest[1:]) if behaviour else (None, rest)
       old = None if on_policy else old
       return rl_loss(params, graphdef, ref_params, tokens, mask, adv, old, denom,
                      max_tokens=k, chunk_size=chunk_size, loss_options=loss_options,
-                     temperature=temperature, packing=tuple(pack) or None)
+                     temperature=temperature, packing=tuple(pack) or None,
+                     behaviour_logprobs=b_lp)
 
     n_tok = jnp.maximum(shifted.sum(), 1.0)
     split = lambda x: x.reshape((micro_batches, x.shape[0] // micro_batches) + x.shape[1:])
     if on_policy:    # a placeholder row per micro-batch; micro_loss passes None to rl_loss
       old_logprobs = jnp.zeros((tokens.shape[0], 0), jnp.float32)
-    xs = tuple(map(split, (tokens, loss_mask, token_advantages, old_logprobs, *packing)))
+    xs = tuple(map(split, (tokens, loss_mask, token_advantages, old_logprobs,
+                           *(() if behav is None else (behav,)), *packing)))
     grad_fn = jax.value_and_grad(lambda t, *a: micro_loss(to_full(t), *a), has_aux=True)
     shapes = jax.eval_shape(lambda: grad_fn(trained, ref_params, *(x[0] for x in xs), denom))
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (shapes[1], shapes[0][1]))
 
     def grads_and_metrics(x):
-      tok, mask, adv, old, *pack = x
-      (_, m), g = grad_fn(trained, ref_params, tok, mask, adv, old, *pack, denom)
+      tok, mask, adv, old, *rest = x
+      (_, m), g = grad_fn(trained, ref_params, tok, mask, adv, old, *rest, denom)
       w = mask[:, 1:].sum() / n_tok
       return g, {k_: (v * w if k_ in _TOKEN_MEAN_METRICS else v) for k_, v in m.items()}
 
@@ -488,7 +523,7 @@ def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: 
       # A micro-batch without loss tokens (rows of groups the step does not train) adds
       # exactly zero: its forward and backward are skipped, not computed and multiplied by 0.
       gm = jax.lax.cond(x[1][:, 1:].sum() > 0, grads_and_metrics, lambda _: zeros, x)
-      return jax.tree.map(jnp.add, acc, gm), None
+      return _combine(acc, gm), None
 
     if micro_batches == 1:
       grads, metrics = grads_and_metrics(tuple(x[0] for x in xs))
@@ -557,7 +592,8 @@ def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
                loss_mask: np.ndarray, token_advantages: np.ndarray, *, put: Callable,
                mini_batch_rows: int, epochs: int, micro_batch_rows: int, seed: int, step: int,
                shuffle: bool = True, lm_positions: int | None = None,
-               packing: tuple[np.ndarray, ...] | None = None):
+               packing: tuple[np.ndarray, ...] | None = None,
+               behaviour: np.ndarray | None = None):
   """One RL step's actor update as verl runs it: old log-probs once, then epochs × mini-batches.
 
   With one mini-batch, one epoch and no micro-batching this is exactly one ``steps.rl_step``
@@ -580,16 +616,20 @@ def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
       first K columns kept (the same values: masked positions come first).
     packing: (positions, segment_ids, prefix_ids) i32[B, W] when the rows are packed
       (:func:`gigrl.update.batch.pack_rows`); only for one micro-batched update a step.
+    behaviour: f32[B, W] the sampler's log-probs aligned with ``tokens`` (the off-policy
+      correction, :func:`rl_loss`), when the steps were built for them (``steps.behaviour``).
   Returns:
     (params, opt_state, metrics): the metrics averaged over the updates (the skip counters are
-    the last update's), plus ``train/updates``.
+    the last update's; ``is_ratio_max`` the largest), plus ``train/updates``.
   """
   b = tokens.shape[0]
   kw = {} if lm_positions is None else {"lm_positions": int(lm_positions)}
   micro = b if not micro_batch_rows else int(micro_batch_rows)
+  behav = lambda sel: () if behaviour is None else (put(behaviour[sel]),)
   if mini_batch_rows >= b and epochs == 1 and micro >= b:
     params, opt_state, m = steps.rl_step(params, opt_state, ref_params, put(tokens),
-                                         put(loss_mask), put(token_advantages), **kw)
+                                         put(loss_mask), put(token_advantages),
+                                         *behav(slice(None)), **kw)
     return params, opt_state, dict(jax.device_get(m), **{"train/updates": 1})
   if mini_batch_rows >= b and epochs == 1:   # one update, micro-batched: on-policy, no old pass
     # rows with loss tokens first, so the rows of untrained groups fill whole micro-batches,
@@ -599,7 +639,7 @@ def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
     params, opt_state, m = steps.ppo_step(b // micro, on_policy=True,
                                           **({"packed": True} if packing is not None else {}))(
         params, opt_state, ref_params, put(tokens[order]), put(loss_mask[order]),
-        put(token_advantages[order]), None, *extra, **kw)
+        put(token_advantages[order]), None, *behav(order), *extra, **kw)
     return params, opt_state, dict(jax.device_get(m), **{"train/updates": 1})
   if packing is not None:
     raise ValueError("ppo_update: packed rows need one micro-batched update a step")
@@ -614,9 +654,10 @@ def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
                               shuffle=shuffle):
     params, opt_state, m = ppo_step(params, opt_state, ref_params, put(tokens[rows]),
                                     put(loss_mask[rows]), put(token_advantages[rows]),
-                                    put(old[rows]), **kw)
+                                    put(old[rows]), *behav(rows), **kw)
     history.append(jax.device_get(m))
-  out = {k: float(np.mean([h[k] for h in history])) for k in history[0]}
+  out = {k: float((np.max if k in _MAX_METRICS else np.mean)([h[k] for h in history]))
+         for k in history[0]}
   for k in ("nonfinite_consecutive", "nonfinite_updates"):
     if k in history[-1]:
       out[k] = history[-1][k]
@@ -650,7 +691,8 @@ def rl_update(steps: Any, params, opt_state, ref_params, batch, rows: np.ndarray
               valid_groups: np.ndarray, advantages: np.ndarray, *, put: Callable,
               mini_batch_rows: int, micro_batch_rows: int, epochs: int, seed: int, step: int,
               shuffle: bool = True, trim_padding: bool = False,
-              max_lm_positions: int | None = None, pack: bool = False):
+              max_lm_positions: int | None = None, pack: bool = False,
+              behaviour: bool = False):
   """One RL step's update on its trained groups: their token batch
   (:func:`gigrl.update.batch.train_batch`), then :func:`ppo_update`.
 
@@ -669,6 +711,9 @@ def rl_update(steps: Any, params, opt_state, ref_params, batch, rows: np.ndarray
       micro-batches left (the others are skipped) hold fewer token rows, in a step of one
       micro-batched update with ``trim_padding``; W and K then come from the packed rows. The
       loss and gradients are those of the unpacked rows, to float rounding.
+    behaviour: pass the rollout's behaviour log-probs (``batch.behaviour_logprobs`` of the
+      trained rows, packed like the advantages) to the loss: the off-policy correction
+      (``steps.behaviour``; :func:`rl_loss`).
   Returns:
     (params, opt_state, metrics (:func:`host_metrics`, plus ``update/width`` W,
     ``update/rows`` (the trained rows), ``update/rows_computed`` (rows the forward and
@@ -681,6 +726,8 @@ def rl_update(steps: Any, params, opt_state, ref_params, batch, rows: np.ndarray
   tokens, mask, tok_adv = batch_lib.train_batch(batch, rows, valid_groups, advantages,
                                                 trained_width=trim_padding)
   w = tokens.shape[1]
+  behav = (batch.behaviour_logprobs[np.asarray(rows).reshape(-1), :w] * mask
+           if behaviour else None)
   k = None
   if trim_padding and max_lm_positions:
     k = batch_lib.lm_positions(mask, max_lm_positions)
@@ -698,6 +745,9 @@ def rl_update(steps: Any, params, opt_state, ref_params, batch, rows: np.ndarray
                                  max_width=batch.tokens.shape[1])
     # it pays when the micro-batches left hold fewer token rows
     if -(-packed.rows // micro) * packed.width < -(-rows_trained // micro) * w:
+      if behav is not None:   # the same layout (pack_rows is a function of tokens and mask)
+        behav = batch_lib.pack_rows(tokens, mask, behav, batch.lengths[sel], groups,
+                                    max_width=batch.tokens.shape[1]).token_advantages
       tokens, mask, tok_adv = packed.tokens, packed.loss_mask, packed.token_advantages
       packing = (packed.positions, packed.segment_ids, packed.prefix_ids)
       k = batch_lib.lm_positions(mask, packed.width - 1, trim=True)
@@ -711,6 +761,6 @@ def rl_update(steps: Any, params, opt_state, ref_params, batch, rows: np.ndarray
   params, opt_state, m = ppo_update(
       steps, params, opt_state, ref_params, tokens, mask, tok_adv, put=put,
       mini_batch_rows=mini_batch_rows, epochs=epochs, micro_batch_rows=micro_batch_rows,
-      seed=seed, step=step, shuffle=shuffle, lm_positions=k, packing=packing)
+      seed=seed, step=step, shuffle=shuffle, lm_positions=k, packing=packing, behaviour=behav)
   m = dict(host_metrics(m), **shapes, **{"time/update_compile_s": compile_seconds() - c0})
   return params, opt_state, m, time.perf_counter() - t0
