@@ -80,6 +80,9 @@ class StratifiedTest(parameterized.TestCase):
                                  atol=1e-7)
       np.testing.assert_allclose(d["var_reduction"], red, rtol=1e-5,
                                  atol=1e-7)
+      # distinct strata among each prompt's valid rollouts, mean over prompts with one
+      counts = [len(set(s[p][v[p]])) for p in range(len(r)) if v[p].any()]
+      np.testing.assert_allclose(d["strata_per_group"], np.mean(counts), rtol=1e-6)
 
   def test_var_reduction_is_variance_difference(self):
     rng = np.random.default_rng(4)

@@ -145,6 +145,8 @@ def stratum_diagnostics(rewards: jax.Array, valid: jax.Array,
     variances of ``A_G = R - R̄`` and ``A_S = R - R̄_k`` over the prompt's K
     valid trajectories, which equals ``(1/K) sum_k n_k (R̄_k - R̄)^2``
     (Thm. 1); averaged over prompts.
+  * ``strata_per_group``: distinct strata among a prompt's valid trajectories, averaged over
+    prompts: 1 means every group's searches agree, so stratifying changes nothing.
 
   Args:
     rewards: f32[P, G].
@@ -152,7 +154,8 @@ def stratum_diagnostics(rewards: jax.Array, valid: jax.Array,
     strata: int32[P, G].
 
   Returns:
-    dict with f32[] scalars ``cross_stratum_bias`` and ``var_reduction``.
+    dict with f32[] scalars ``cross_stratum_bias``, ``var_reduction`` and
+    ``strata_per_group``.
   """
   rewards = jnp.asarray(rewards, jnp.float32)
   w = valid.astype(jnp.float32)
@@ -169,4 +172,5 @@ def stratum_diagnostics(rewards: jax.Array, valid: jax.Array,
   has = (k > 0).astype(jnp.float32)
   n_p = jnp.maximum(has.sum(), 1.0)
   return {"cross_stratum_bias": (bias_p * has).sum() / n_p,
-          "var_reduction": (red_p * has).sum() / n_p}
+          "var_reduction": (red_p * has).sum() / n_p,
+          "strata_per_group": (n_strata * has).sum() / n_p}
