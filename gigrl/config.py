@@ -102,6 +102,8 @@ def train_config() -> ml_collections.ConfigDict:
   c.sft_only_answer_in_obs = False
   c.sft_counterfactuals = 0    # n > 0: each demonstration -> n with the answer swapped (rollout/demos)
   c.rl_skip_sft_questions = False  # RL samples only the questions after the first sft_questions
+  c.max_staleness = 0          # k >= 1: rollouts of the next k steps are sampled while a step
+                               # trains, by params exactly k versions old (training.overlap, #52)
   c.rl_pool_size = 0           # n > 0: RL samples a random n of those questions (drawn with `seed`),
                                # a pool small enough to run out (query recycling's regime, #51)
   c.init_from = ""             # "<workdir>[@step]": a new run starts RL from the params of that
@@ -252,6 +254,7 @@ def _validate_train(cfg):
   check_range(cfg, "train.sft_batch_size", 1, integer=True)
   check_range(cfg, "train.sft_questions", 0, integer=True)
   check_range(cfg, "train.rl_pool_size", 0, integer=True)
+  check_range(cfg, "train.max_staleness", 0, integer=True)
   check_range(cfg, "train.sft_micro_batch_size", 0, integer=True)
   sft_micro = int(cfg.train.sft_micro_batch_size)
   if sft_micro and int(cfg.train.sft_batch_size) % sft_micro:

@@ -4,7 +4,7 @@ process gets the global batch back. One process: the engine itself.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -105,7 +105,17 @@ class ProcessShare:
     """``group_fn(rows_of_this_process, first_row)`` -> [P, ...] values of the groups of
     ``rows`` (i32[P, G] global rollout rows) this process holds, gathered so each group's value
     comes from its host (after :meth:`run_rl`)."""
-    local, first, per = self._local
+    return self._owned(self._local, group_fn, rows)
+
+  def owned_now(self) -> Callable[[Any, np.ndarray], np.ndarray]:
+    """:meth:`owned` of the last :meth:`run_rl`'s rows, kept for later (a rollout trained on
+    after the next one has run: ``train.max_staleness``)."""
+    local = self._local
+    return lambda group_fn, rows: self._owned(local, group_fn, rows)
+
+  @staticmethod
+  def _owned(local_share, group_fn, rows: np.ndarray) -> np.ndarray:
+    local, first, per = local_share
     x = group_fn(local, first)
     if per is None:
       return x

@@ -211,6 +211,24 @@ def write_samples(out: RunOutputs, tokenizer, name: str, step: int, batch, quest
                     [int(batch.search_calls[i]) for i in rows])
 
 
+def staleness_metrics(trained_version: int, rollout, wait_s: float) -> dict[str, float]:
+  """The asynchronous-RL line of an RL step (``train.max_staleness`` >= 1).
+
+  Args:
+    trained_version: the params version the update starts from (RL updates done before it).
+    rollout: its :class:`gigrl.training.overlap.Rollout` (``version`` sampled it; ``idle_s``).
+    wait_s: seconds the trainer waited for it.
+  Returns:
+    ``async/staleness_mean`` and ``async/staleness_max`` (versions between the sampler's params
+    and the trainer's, over the rows: one version per step, so equal), ``async/version``, and
+    ``time/sampler_idle_s`` / ``time/trainer_idle_s``.
+  """
+  stale = float(trained_version - rollout.version)
+  return {"async/staleness_mean": stale, "async/staleness_max": stale,
+          "async/version": float(rollout.version), "time/sampler_idle_s": rollout.idle_s,
+          "time/trainer_idle_s": float(wait_s)}
+
+
 def rl_record(step: int, batch, rewards: np.ndarray, answered: np.ndarray, *,
               update_metrics: dict[str, Any], advantage_metrics: dict[str, float],
               pool_metrics: dict[str, Any], rollout_engine_metrics: dict[str, Any],

@@ -40,7 +40,10 @@ class RunCheckpoints:
       ref = state.params if state.ref_params is None else state.ref_params
     # The advantage state is host / single-device data (the same on every process); orbax
     # saves only global arrays on several processes, so it is checkpointed replicated.
-    return state.replace(params=params, ref_params=ref, pool=self.pool.state_dict(),
+    # the pool as the state's last step left it (with train.max_staleness the sampler's live
+    # pool is ahead, holding in-flight queries; a resume samples those again)
+    pool = state.pool if state.pool else self.pool.state_dict()
+    return state.replace(params=params, ref_params=ref, pool=pool,
                          adv_state=build.replicated(self.policy.mesh, state.adv_state))
 
   def _with_base(self, state: state_lib.TrainState) -> state_lib.TrainState:

@@ -38,6 +38,7 @@ from gigrl.rollout import trajectory as traj_lib
 from gigrl.training import build
 from gigrl.training import evaluator as evaluator_lib
 from gigrl.training import metrics as metrics_lib
+from gigrl.training import overlap
 from gigrl.training import resume
 from gigrl.training import state as state_lib
 from gigrl.training import stop as stop_lib
@@ -78,6 +79,7 @@ class Trainer:
     self.pool = pool_lib.QueryPool(
         len(self.rl_questions), rule=p.rule, batch_size=cfg.data.prompts_per_step,
         oversample=p.oversample, success_threshold=p.success_threshold, seed=cfg.seed)
+    self.sampler: overlap.Sampler | None = None    # created at the first RL step
     self.checkpoints = resume.RunCheckpoints(cfg, self.policy, self.pool, self.workdir, _log)
     self.evaluator = evaluator_lib.Evaluator(cfg, self.policy, self.tokenizer, self.retriever,
                                              self.data.eval, self.out, _log)
@@ -126,7 +128,8 @@ class Trainer:
           stop_lib.check_finite(step, nonfinite_in_a_row, cfg.train.max_consecutive_nonfinite,
                                 record, ckpts.ckpt.steps)
           if self.evaluator.due(step):   # before the checkpoint, so a resume never misses it
-            self.evaluator.periodic(step, self.state.params)
+            with overlap.paused(self.sampler):
+              self.evaluator.periodic(step, self.state.params)
           bar.update(1)
           bar.set_postfix({k: f"{record[k]:.3g}" for k in ("loss", "reward_mean")
                            if isinstance(record.get(k), float)})
@@ -144,10 +147,12 @@ class Trainer:
             self.stopped = True
             break
         ckpts.ckpt.wait()
+        overlap.close(self.sampler)
         if not self.stopped and cfg.train.eval_questions:
           self.evaluator.final(total, self.state.params, self.workdir)
       self.out.plot()
     finally:
+      overlap.close(self.sampler)
       bar.close()
       ckpts.ckpt.close()
 
@@ -187,35 +192,25 @@ class Trainer:
             "rollout/tokens_per_s": None, "step_time_s": dt, **m}
 
   # ------------------------------------------------------------------ RL
+  def _sampler(self, step: int) -> overlap.Sampler:
+    """The sampler of this run's RL steps (:mod:`gigrl.training.overlap`), from ``step``."""
+    self.sampler = self.sampler or overlap.for_trainer(self, step, _log)
+    return self.sampler
+
   def rl_step(self, step: int) -> dict[str, Any]:
-    """One RL step, stage by stage; its metrics line."""
+    """One RL step, stage by stage; its metrics line. Stages 1-3 (prompts, rollout, reward and
+    the pool) are the sampler's (:func:`gigrl.training.overlap.sample_step`), this step's or,
+    with ``train.max_staleness`` k >= 1, done ahead with params k versions old."""
     cfg, g, t_steps = self.cfg, self.cfg.data.group_size, self.settings.max_turns + 1
-    t_start = time.perf_counter()
-    # 1. sample prompts (the query pool; filler groups keep the rollout's width fixed)
-    cands, questions, padded = pool_lib.sample_prompts(
-        self.pool, self.rl_questions, lambda msg: _log(f"step {step}: {msg}"))
-    # 2. roll out with search. Each process rolls out its own share of the rows and reduces
-    #    their strings (rewards, anchors, action flags) to compact arrays; the token arrays and
-    #    those arrays are then global on every process, so everything below is the same
-    #    computation on every host (no decision to broadcast).
-    key = jax.random.fold_in(jax.random.key(cfg.seed), step)
-    self.retriever.new_step()
-    search_before = self.retriever.metrics()
-    golden = [q.golden_answers for q in questions]
-    batch, row_arrays, rollout_m = self.engine.run_rl(
-        self.policy.rollout_params(self.state.params),
-        [q.question for q in padded for _ in range(g)], key,
-        lambda b, first: adv_inputs.row_arrays(b, golden, g, t_steps, first_row=first), g)
-    t_roll = time.perf_counter() - t_start
-    # 3. reward: exact match per rollout (row_arrays), f32[C, G]; the pool keeps or recycles
-    rewards = row_arrays.rewards[:len(questions) * g].reshape(len(questions), g)
-    accepted, pool_m = self.pool.update(cands, rewards)
-    rows, valid = batch_lib.train_rows(cands, accepted, cfg.data.prompts_per_step, g)
+    t_step = time.perf_counter()
+    r, wait_s = self._sampler(step).get(step)
+    batch, rows, valid = r.batch, r.rows, r.valid
     # 4. advantages of the trained groups
     adv, adv_state, adv_m = adv_inputs.step_advantages(
-        self.adv_fn, self.adv_cfg, self.state.adv_state, batch, rewards, rows, valid, t_steps,
-        num_candidates=self.pool.num_candidates, row_arrays=row_arrays, owned=self.engine.owned)
-    self.state = self.state.replace(adv_state=adv_state)
+        self.adv_fn, self.adv_cfg, self.state.adv_state, batch, r.rewards, rows, valid, t_steps,
+        num_candidates=self.pool.num_candidates, row_arrays=r.row_arrays, owned=r.owned)
+    # the pool as this step left it (ahead of it, the sampler's may hold in-flight queries)
+    self.state = self.state.replace(adv_state=adv_state, pool=r.pool_state)
     # 5. update (PPO-clip + KL, epochs × mini-batches)
     mini_rows, micro_rows = build.ppo_rows(cfg)
     params, opt_state, update_m, t_train = update_lib.rl_update(
@@ -230,16 +225,19 @@ class Trainer:
             float(cfg.model.lora.dropout) if int(cfg.model.lora.rank) else 0.0),
         behaviour=self.steps.behaviour)
     self.state = self.state.replace(params=params, opt_state=opt_state)
+    self.sampler.publish(params, step - int(cfg.train.sft_steps))
     # 6. log
-    search_m = distributed.reduce_metrics({   # this step's (the counters are cumulative)
-        k: float(v - search_before.get(k, 0)) for k, v in self.retriever.metrics().items()})
     record = metrics_lib.rl_record(
-        step, batch, rewards, row_arrays.answered, update_metrics=update_m,
-        advantage_metrics=adv_m, pool_metrics=pool_m, rollout_engine_metrics=rollout_m,
-        search_metrics=search_m, trained_rows=rows.reshape(-1)[np.repeat(valid, g)],
-        trained_groups=int(valid.sum()),
-        times={"start": t_start, "rollout_s": t_roll, "update_s": t_train})
+        step, batch, r.rewards, r.row_arrays.answered, update_metrics=update_m,
+        advantage_metrics=adv_m, pool_metrics=r.pool_m, rollout_engine_metrics=r.rollout_m,
+        search_metrics=r.search_m, trained_rows=rows.reshape(-1)[np.repeat(valid, g)],
+        trained_groups=int(valid.sum()), times={
+            "start": t_step if self.sampler.k else r.t_start, "rollout_s": r.t_roll,
+            "update_s": t_train})
+    if self.sampler.k:
+      record.update(metrics_lib.staleness_metrics(step - 1 - int(cfg.train.sft_steps), r,
+                                                  wait_s))
     if step % cfg.train.sample_every == 0:
       metrics_lib.write_samples(self.out, self.tokenizer, f"step_{step:06d}.txt", step, batch,
-                                questions, rewards.reshape(-1), n=4, g=g)
+                                r.questions, r.rewards.reshape(-1), n=4, g=g)
     return record
