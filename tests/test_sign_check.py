@@ -53,7 +53,7 @@ MARGIN = 0.01     # nats per answer token
 def _config(rl_steps: int):
   cfg = config_lib.base_config()
   root = os.path.join(qa.bundled_dir(), "countries")
-  cfg.seed = 0
+  cfg.seed = int(os.environ.get("GIGRL_SIGN_CHECK_SEED", "0"))   # the 5-seed spread: docstring
   cfg.data.questions_file = os.path.join(root, "questions.jsonl")
   cfg.search.corpus = os.path.join(root, "corpus.jsonl")
   cfg.data.max_train_questions = 16       # the first training ids are 1-hop questions
