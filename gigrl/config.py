@@ -58,6 +58,8 @@ def rollout_config() -> ml_collections.ConfigDict:
   c.slot_bucket = 16           # attention and cache copies read only the slots a call can have written, rounded up to this; 0 = all
   c.width_bucket = 32          # prompt widths from the prompts' lengths, rounded up to this (observations: half or all of max_obs_tokens); 0 = the budgets
   c.row_buckets = 2            # compacted calls compute a multiple of B / row_buckets rows (fewer: fewer programs, more padding)
+  c.devices = 0                # n > 0: the first n devices sample (rollouts, evaluation) and the rest
+                               # train, two meshes of one process (asynchronous RL, #52); 0 = all share
   c.decode_row_buckets = 0     # the same for decode turns (most of a rollout's time, so finer buckets pay most there); 0 = row_buckets
   c.decode_chunk = 0           # decode steps per call (0 = a whole turn): rows that ended their turn leave between calls
   return c
@@ -200,6 +202,7 @@ def _validate_rollout(cfg):
   check_choice(cfg, "rollout.engine", ("host_loop",))
   check_range(cfg, "rollout.row_buckets", 1, integer=True)
   check_range(cfg, "rollout.decode_row_buckets", 0, integer=True)
+  check_range(cfg, "rollout.devices", 0, integer=True)
   if get_field(cfg, "rollout.decode_chunk") and not get_field(cfg, "rollout.compact_rows"):
     raise ConfigError("rollout.decode_chunk", get_field(cfg, "rollout.decode_chunk"),
                       "0 when rollout.compact_rows is off (a turn decoded in chunks saves only "

@@ -172,3 +172,24 @@ def test_a_killed_async_run_trains_each_accepted_query_once(tmp_path):
   pool = checkpoint.restore_meta(str(work), None)["pool"]
   consumed = sum(w == 0 for w in pool["weights"])
   assert accepted == consumed > 0
+
+
+@pytest.mark.slow
+def test_sampler_on_its_own_device(tmp_path):
+  """``rollout.devices = 1`` of 2 CPU devices: rollouts and evaluations on device 0, training on
+  device 1 (two meshes of one process, weights moved by ``jax.device_put`` after each update),
+  with k = 1: the run finishes with the bound held and nothing compiled after the warm-up. A
+  split that leaves no device to train on is refused, naming the field (exit 2)."""
+  env = dict(_env(), XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  extra = ["--config.train.max_staleness=1", "--config.loss.off_policy_correction=tis",
+           "--config.rollout.devices=1", "--config.train.eval_questions=4",
+           "--config.train.eval_every=3"]
+  proc = subprocess.run(_cmd(tmp_path / "split", *extra), capture_output=True, text=True,
+                        timeout=600, cwd=ROOT, env=env)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  rl = _rl(tmp_path / "split")
+  assert [r["async/staleness_max"] for r in rl] == [0, 1, 1, 1, 1, 1]
+  assert all(r["time/rollout_compile_s"] == 0 and r["time/update_compile_s"] == 0 for r in rl)
+  proc = subprocess.run(_cmd(tmp_path / "bad", "--config.rollout.devices=2"), capture_output=True,
+                        text=True, timeout=600, cwd=ROOT, env=env)
+  assert proc.returncode == 2 and "rollout.devices" in proc.stderr, proc.stderr[-2000:]

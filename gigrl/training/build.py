@@ -180,6 +180,9 @@ class Policy:
     train_preset, rollout_preset: ``model.train_sharding`` / ``model.rollout_sharding``.
     lora: ``model.lora`` (:class:`gigrl.models.lora.LoraSettings`); when enabled the params
       hold the adapters beside the frozen base, and only the adapters are trained.
+    rollout_mesh: with ``rollout.devices = n``, the mesh of the first n devices, where the
+      rollouts and evaluations run (the training mesh then holds the rest); else None (the
+      training mesh: :attr:`sampler_mesh`).
   """
   model_cfg: Any
   graphdef: Any
@@ -189,6 +192,7 @@ class Policy:
   train_preset: str
   rollout_preset: str
   lora: Any = lora_lib.LoraSettings()
+  rollout_mesh: jax.sharding.Mesh | None = None    # rollout.devices: the sampler's own devices
   # whether the training layout already is the rollout's (decided on first use)
   _rollout_layout_is_train: bool | None = dataclasses.field(default=None, repr=False)
 
@@ -196,13 +200,22 @@ class Policy:
     """The part of ``params`` the optimizer updates (the adapters with LoRA, else all)."""
     return lora_lib.split_trainable(params, self.lora.enabled)[0]
 
+  @property
+  def sampler_mesh(self) -> jax.sharding.Mesh:
+    """The mesh rollouts run on: ``rollout_mesh``, or the training mesh."""
+    return self.rollout_mesh or self.mesh
+
   def rollout_params(self, params: Any) -> Any:
     """``params`` in the rollout layout (``model.rollout_sharding``): ``params`` themselves
-    when they already lie that way (one device, or the same layout for both), else a copy.
+    when they already lie that way (one device, or the same layout for both), else a copy;
+    with a ``rollout_mesh`` always a copy onto it (``jax.device_put`` across the meshes).
 
     The rollout programs never donate their params, so sharing the training arrays is safe;
     the copy (every weight, each RL step and evaluation) cost 0.27 s a step for SmolLM2 on
     2 CPU cores, 15% of a 2 x 4-row rollout."""
+    if self.rollout_mesh is not None:   # other devices: a transfer (a jit cannot span meshes)
+      return jax.device_put(params, sharding_lib.param_shardings(params, self.rollout_mesh,
+                                                                 self.rollout_preset))
     if self._rollout_layout_is_train is None:
       want = jax.tree.leaves(sharding_lib.param_shardings(params, self.mesh,
                                                           self.rollout_preset))
@@ -235,7 +248,7 @@ def build_policy(cfg: ml_collections.ConfigDict, vocab_size: int, tokenizer: Any
   """
   m = cfg.model
   model_cfg = models.model_config_from(m, vocab_size)
-  mesh = sharding_lib.mesh_from_config(m)
+  mesh, rollout_mesh = meshes(cfg)
   if m.hf_path:   # each tensor goes straight to its shard (no full host copy)
     if tokenizer is not None:
       models.check_tokenizer(m.hf_path, tokenizer)
@@ -252,7 +265,26 @@ def build_policy(cfg: ml_collections.ConfigDict, vocab_size: int, tokenizer: Any
   params = sharding_lib.shard_state(params, mesh, m.train_sharding)
   return Policy(model_cfg=model_cfg, graphdef=graphdef, mesh=mesh, params=params,
                 param_sh=param_sh, train_preset=m.train_sharding,
-                rollout_preset=m.rollout_sharding, lora=lora)
+                rollout_preset=m.rollout_sharding, lora=lora, rollout_mesh=rollout_mesh)
+
+
+def meshes(cfg: ml_collections.ConfigDict) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh | None]:
+  """(training mesh, rollout mesh or None): ``rollout.devices = n`` puts the rollouts on this
+  process's first n devices (all on ``fsdp``) and ``model.mesh`` on the rest; 0 = one mesh.
+
+  Raises:
+    ConfigError: naming ``rollout.devices`` when it leaves no device to train on, or on several
+      processes (the split is within one process).
+  """
+  n = int(cfg.rollout.get("devices", 0))
+  if not n:
+    return sharding_lib.mesh_from_config(cfg.model), None
+  devices = jax.devices()
+  if jax.process_count() > 1 or n >= len(devices):
+    raise ConfigError("rollout.devices", n, f"0, or fewer than this process's {len(devices)} "
+                      "devices on one process (the rest train)")
+  return (sharding_lib.mesh_from_config(cfg.model, devices[n:]),
+          sharding_lib.make_mesh({"fsdp": -1}, devices[:n]))
 
 
 def batch_axis_size(mesh: jax.sharding.Mesh) -> int:
@@ -473,7 +505,7 @@ def build_engine(cfg: ml_collections.ConfigDict, policy: Policy, tokenizer, retr
   prompt stats and distinct rows are set by :func:`gigrl.training.warmup.set_up_engines`."""
   return engine_lib.make_engine(cfg.rollout.engine, policy.model_cfg, policy.graphdef,
                                 tokenizer, retriever, rollout_settings(cfg, greedy=greedy),
-                                mesh=policy.mesh)
+                                mesh=policy.sampler_mesh)
 
 
 def sft_demonstrations(cfg: ml_collections.ConfigDict, train_questions, tokenizer, retriever,

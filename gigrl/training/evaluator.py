@@ -133,7 +133,7 @@ class Evaluator:
       self._log_retrieval = evaluate_lib.RetrievalLog(self.retriever)
       self._engine = hosts.ProcessShare(build.build_engine(
           self.cfg, self.policy, self.tokenizer, self._log_retrieval, greedy=True),
-          build.batch_axis_size(self.policy.mesh))
+          build.batch_axis_size(self.policy.sampler_mesh))
       d = self.cfg.data
       files = ([d.questions_file] if d.questions_file else
                [os.path.join(qa_lib.bundled_dir(), f) for f in qa_lib.BUNDLED_QUESTION_FILES])

@@ -73,7 +73,7 @@ class Trainer:
     self.settings = build.rollout_settings(cfg)
     self.engine = hosts.ProcessShare(
         build.build_engine(cfg, self.policy, self.tokenizer, self.retriever),
-        build.batch_axis_size(self.policy.mesh))
+        build.batch_axis_size(self.policy.sampler_mesh))
     self.rl_questions = build.rl_questions(cfg.train, self.data.train, cfg.seed)
     p = cfg.data.pool
     self.pool = pool_lib.QueryPool(

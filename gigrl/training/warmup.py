@@ -262,7 +262,7 @@ def plan_run(t, start: int, demos) -> list[RunProgram]:
   total = sft_steps + int(cfg.train.num_steps)
   params = pol.params if t.state.params is None else t.state.params
   rparams = pol.rollout_params(params)
-  rm = build.batch_axis_size(pol.mesh)
+  rm = build.batch_axis_size(pol.sampler_mesh)
   seq_len = t.settings.seq_len
   out: list[RunProgram] = []
   if start < sft_steps and demos is not None:
@@ -301,14 +301,14 @@ def set_up_engines(t) -> None:
   stats = dataclasses.replace(stats, obs_len=traj_lib.observation_cap(
       t.tokenizer, t.retriever, t.settings.topk_docs, t.settings.max_obs_tokens))
   g = int(t.cfg.data.group_size)
-  per = local_rows(t.pool.num_candidates * g, build.batch_axis_size(t.policy.mesh))
+  per = local_rows(t.pool.num_candidates * g, build.batch_axis_size(t.policy.sampler_mesh))
   t.engine.engine.prompt_stats = stats
   t.engine.engine.distinct_rows = -(-per // g) + (1 if per % g else 0)
   ev = t.evaluator.engine().engine
   ev.prompt_stats = stats
   ev.distinct_rows = local_rows(min(int(t.cfg.train.eval_batch_size) or len(
       t.evaluator.questions), max(1, len(t.evaluator.questions))), build.batch_axis_size(
-          t.policy.mesh))       # every row its own question: the tails on all B rows
+          t.policy.sampler_mesh))       # every row its own question: the tails on all B rows
 
 
 def warm_up(t, start: int, demos, log: Callable[[str], None]) -> dict[str, float]:
