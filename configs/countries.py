@@ -79,11 +79,13 @@ def _engaged(cfg):
   study's protocol where the mechanisms can engage. Up to 4 searches, so that search counts
   (Stratified GRPO's strata) can vary, and an RL pool of a few hundred questions, so that it
   runs out and recycled queries become most of the accepted groups late in training. The pool
-  size and the step count come from a pilot scored on validation only (the folder's README)."""
+  size, the step count and the validation cadence come from a pilot scored on validation only
+  (the folder's README: recycled share of accepted groups 0.16, 0.36, 0.57 over RL steps 1-8,
+  9-16, 17-24 with 200 questions; validation EM 0.654, 0.757, 0.757 at steps 0, 12, 24)."""
   cfg.rollout.max_turns = 4
   cfg.train.rl_pool_size = 200
   cfg.train.num_steps = 36
-  cfg.train.eval_every = 6
+  cfg.train.eval_every = 12
 
 
 def _study(cfg, root: str):

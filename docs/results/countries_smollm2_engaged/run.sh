@@ -95,7 +95,7 @@ for s in $SEEDS; do
     rl sft_matched "$s" --config.train.sft_steps=$((SFT + N)) --config.train.num_steps=0 \
         --config.train.sft_batch_size=32 --config.train.sft_micro_batch_size=4 \
         --config.train.sft_learning_rate=1e-5 --config.train.sft_on_rl_pool=True \
-        --config.train.sft_eval_every="$E"
+        --config.train.sft_eval_every=$((E / 2))   # SFT steps count from 0: 36, 42, ... = RL's 6, 12, ...
   fi
   [[ -f $OUT/collect.py ]] && python $OUT/collect.py --runs "$RUNS" --out $OUT \
       --command "RUNS=$RUNS SEEDS=\"$SEEDS\" bash $OUT/run.sh" || true
