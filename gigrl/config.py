@@ -106,6 +106,9 @@ def train_config() -> ml_collections.ConfigDict:
   c.rl_skip_sft_questions = False  # RL samples only the questions after the first sft_questions
   c.max_staleness = 0          # k >= 1: rollouts of the next k steps are sampled while a step
                                # trains, by params exactly k versions old (training.overlap, #52)
+  c.sampler_address = ""       # "host:port" (k >= 1): the trainer listens there and a second process,
+                               # `gigrl-train --sampler` with the same config, samples on its own
+                               # devices (training.sampler_process); "" = a thread of this process
   c.rl_pool_size = 0           # n > 0: RL samples a random n of those questions (drawn with `seed`),
                                # a pool small enough to run out (query recycling's regime, #51)
   c.init_from = ""             # "<workdir>[@step]": a new run starts RL from the params of that
@@ -258,6 +261,17 @@ def _validate_train(cfg):
   check_range(cfg, "train.sft_questions", 0, integer=True)
   check_range(cfg, "train.rl_pool_size", 0, integer=True)
   check_range(cfg, "train.max_staleness", 0, integer=True)
+  address = str(cfg.train.get("sampler_address", ""))
+  if address:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+      raise ConfigError("train.sampler_address", address, "host:port, e.g. localhost:5557")
+    if not int(cfg.train.max_staleness):
+      raise ConfigError("train.sampler_address", address, "'' with train.max_staleness = 0 (a "
+                        "sampler process samples ahead: set train.max_staleness >= 1)")
+    if int(cfg.rollout.get("devices", 0)):
+      raise ConfigError("train.sampler_address", address, "'' with rollout.devices > 0 (the "
+                        "sampler process has its own devices)")
   check_range(cfg, "train.sft_micro_batch_size", 0, integer=True)
   sft_micro = int(cfg.train.sft_micro_batch_size)
   if sft_micro and int(cfg.train.sft_batch_size) % sft_micro:

@@ -8,12 +8,15 @@
   Search-R1 tags are several tokens each, as in the real Qwen2.5 and Llama 3 tokenizers;
 * :func:`write_tiny_gguf`: a tiny llama.cpp GGUF file (Llama architecture, block-quantized
   tensors, RoPE-permuted Q/K rows, byte-level BPE vocabulary and ChatML template in the
-  metadata), laid out as `convert_hf_to_gguf.py` writes SmolLM2.
+  metadata), laid out as `convert_hf_to_gguf.py` writes SmolLM2;
+* :func:`train_command`, :func:`run_train`: ``gigrl-train`` as a subprocess of a test.
 """
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 from typing import Sequence
 
@@ -24,6 +27,8 @@ from flax import nnx
 from gigrl.data import tags
 from gigrl.models import PRESETS, Transformer
 from gigrl.search.base import Passage
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # an editable install's
 
 
 class FakeRetriever:
@@ -341,3 +346,34 @@ def tiny_policy(seed: int = 0):
   params = shd.shard_state(params, mesh, "fsdp")
   return build.Policy(model_cfg=model_cfg, graphdef=graphdef, mesh=mesh, params=params,
                       param_sh=param_sh, train_preset="fsdp", rollout_preset="fsdp")
+
+
+# ------------------------------------------------------------------ gigrl-train in a subprocess
+def train_command(workdir, *args: str, config: str = "configs/smoke.py") -> list[str]:
+  """``python -m gigrl.cli.train --config <repo>/<config> --workdir <workdir> <args>``."""
+  return [sys.executable, "-m", "gigrl.cli.train", "--config", os.path.join(REPO, config),
+          "--workdir", str(workdir), *args]
+
+
+def single_process_env(**extra: str) -> dict[str, str]:
+  """This environment without ``XLA_FLAGS`` (the tests' 8 simulated devices), plus ``extra``."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  env.update(extra)
+  return env
+
+
+def run_train(workdir, *args: str, ok: bool = True, env: dict | None = None,
+              timeout: float = 600):
+  """Runs :func:`train_command` to the end (repo root, :func:`single_process_env`).
+
+  Returns:
+    ``ok``: its stdout + stderr (asserting exit 0, with the stderr's end on failure); else the
+    ``subprocess.CompletedProcess``.
+  """
+  proc = subprocess.run(train_command(workdir, *args), capture_output=True, text=True,
+                        timeout=timeout, cwd=REPO, env=env or single_process_env())
+  if ok:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout + proc.stderr
+  return proc

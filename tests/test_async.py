@@ -3,18 +3,21 @@
 The sampler's schedule is tested on its own (no model: a fake ``sample``), then tiny runs: k = 0
 keeps no sampler thread and its metrics are those of the synchronous loop; with k = 1 and 2
 every row is exactly min(k, versions so far) stale; a run killed while rollouts are in flight
-resumes and trains every accepted query once, none lost.
+resumes and trains every accepted query once, none lost. The sampler in a process of its own
+(``train.sampler_address``, gigrl.training.sampler_process) reproduces the one-process k = 1 run
+metric for metric, and a killed sampler process loses nothing.
 """
 import json
 import os
 import signal
+import socket
 import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
+from gigrl import testing
 from gigrl.training import overlap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,20 +111,14 @@ ARGS = ["--config.train.sft_steps=3", "--config.train.num_steps=6",
 
 
 def _cmd(workdir, *extra):
-  return [sys.executable, "-m", "gigrl.cli.train", "--config",
-          os.path.join(ROOT, "configs/smoke.py"), "--workdir", str(workdir), *ARGS, *extra]
+  return testing.train_command(workdir, *ARGS, *extra)
 
 
-def _env():
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  return env
+_env = testing.single_process_env
 
 
 def _run(workdir, *extra):
-  proc = subprocess.run(_cmd(workdir, *extra), capture_output=True, text=True, timeout=600,
-                        cwd=ROOT, env=_env())
-  assert proc.returncode == 0, proc.stderr[-4000:]
+  testing.run_train(workdir, *ARGS, *extra)
 
 
 def _rl(workdir):
@@ -129,16 +126,27 @@ def _rl(workdir):
   return [r for r in rows if r["phase"] == "rl"]
 
 
+def _async(k):
+  return [f"--config.train.max_staleness={k}", "--config.loss.off_policy_correction=tis"]
+
+
+@pytest.fixture(scope="module")
+def k1_run(tmp_path_factory):
+  """A one-process k = 1 run (the sampler a thread)."""
+  work = tmp_path_factory.mktemp("k1") / "run"
+  _run(work, *_async(1))
+  return work
+
+
 @pytest.mark.slow
-def test_tiny_runs_hold_the_staleness_bound(tmp_path):
+def test_tiny_runs_hold_the_staleness_bound(tmp_path, k1_run):
   """k = 0 logs no asynchronous metrics; k = 1 and 2 log every row exactly min(k, updates so
   far) versions stale, with the correction's ratio near 1 (the tiny updates move little)."""
   _run(tmp_path / "k0")
   assert not any(k.startswith("async/") for r in _rl(tmp_path / "k0") for k in r)
-  for k in (1, 2):
-    _run(tmp_path / f"k{k}", f"--config.train.max_staleness={k}",
-         "--config.loss.off_policy_correction=tis")
-    rl = _rl(tmp_path / f"k{k}")
+  _run(tmp_path / "k2", *_async(2))
+  for k, work in ((1, k1_run), (2, tmp_path / "k2")):
+    rl = _rl(work)
     assert [r["step"] for r in rl] == list(range(4, 10))
     for i, r in enumerate(rl):
       assert r["async/staleness_max"] == min(k, i) <= k
@@ -193,3 +201,96 @@ def test_sampler_on_its_own_device(tmp_path):
   proc = subprocess.run(_cmd(tmp_path / "bad", "--config.rollout.devices=2"), capture_output=True,
                         text=True, timeout=600, cwd=ROOT, env=env)
   assert proc.returncode == 2 and "rollout.devices" in proc.stderr, proc.stderr[-2000:]
+
+
+# ------------------------------------------------------- the sampler in a process of its own
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _start_pair(work, port):
+  """The trainer and its sampler process (``train.sampler_address``), both started."""
+  args = [*_async(1), f"--config.train.sampler_address=localhost:{port}"]
+  trainer = subprocess.Popen(_cmd(work, *args), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
+  sampler = subprocess.Popen(_cmd(work, *args, "--sampler"), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
+  return trainer, sampler
+
+
+def _finish(*procs):
+  outs = [p.communicate(timeout=600)[1] for p in procs]
+  for p, err in zip(procs, outs):
+    assert p.returncode == 0, err[-4000:]
+
+
+@pytest.mark.slow
+def test_a_sampler_process_runs_the_thread_schedule(tmp_path, k1_run):
+  """1 trainer + 1 sampler process, joined by one TCP connection (the weights sent to the
+  sampler after each update, its rollouts back): every metric of every step equals the
+  one-process k = 1 run's (timings aside), so each row is exactly min(1, updates) versions
+  stale and the run learns as that one does; neither process compiles inside a step."""
+  work = tmp_path / "pair"
+  _finish(*_start_pair(work, _free_port()))
+  ref, got = _rl(k1_run), _rl(work)
+  assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(4, 10))
+  for a, b in zip(ref, got):
+    keys = {k for k in a.keys() | b.keys() if not k.startswith("time/")
+            and not k.endswith(("_s", "tokens_per_s"))}
+    assert {k: b.get(k) for k in keys} == {k: a.get(k) for k in keys}, a["step"]
+    assert b["time/rollout_compile_s"] == 0 and b["time/update_compile_s"] == 0
+  assert [r["async/staleness_max"] for r in got] == [0, 1, 1, 1, 1, 1]
+
+
+@pytest.mark.slow
+def test_a_killed_sampler_process_loses_nothing(tmp_path):
+  """SIGKILL the sampler process once the trainer has checkpointed step 6: the trainer
+  checkpoints the last step it trained and stops with one line naming
+  ``train.sampler_address`` (exit 2, no traceback); rerunning both
+  finishes every step once, and the queries the pool consumed are exactly those the steps
+  accepted (none trained twice, none lost in flight)."""
+  work = tmp_path / "killed"
+  trainer, sampler = _start_pair(work, _free_port())
+  deadline, ckpt = time.time() + 600, work / "checkpoints" / "6"
+  while not ckpt.exists() and trainer.poll() is None and time.time() < deadline:
+    time.sleep(0.05)
+  sampler.send_signal(signal.SIGKILL)
+  sampler.communicate()
+  err = trainer.communicate(timeout=600)[1]
+  assert ckpt.exists(), err[-4000:]
+  assert trainer.returncode == 2, err[-4000:]
+  last = err.strip().splitlines()[-1]
+  assert last.startswith("gigrl-train: error:") and "train.sampler_address" in last, last
+  assert "Traceback" not in err
+  # the steps trained before the loss are kept: the last one is checkpointed
+  trained = max(r["step"] for r in _rl(work))
+  assert max(int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit()) == trained
+  _finish(*_start_pair(work, _free_port()))
+  rl = _rl(work)
+  assert [r["step"] for r in rl] == list(range(4, 10))
+  accepted = sum(int(r["pool/accepted"]) for r in rl)
+  from gigrl.training import checkpoint  # pylint: disable=import-outside-toplevel
+  pool = checkpoint.restore_meta(str(work), None)["pool"]
+  assert accepted == sum(w == 0 for w in pool["weights"]) > 0
+
+
+def test_sampler_process_errors_name_the_field(tmp_path):
+  """No sampler connects: the trainer's wait ends with an error naming the address; a
+  sampler address needs k >= 1."""
+  from gigrl import config as config_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.config_utils import ConfigError  # pylint: disable=import-outside-toplevel
+  from gigrl.training import sampler_process  # pylint: disable=import-outside-toplevel
+  start = sampler_process.Start(first_rl_step=1, last_step=2, sft_steps=0, max_staleness=1,
+                                version=0, params=[], pool_state={})
+  address = f"localhost:{_free_port()}"
+  with pytest.raises(sampler_process.SamplerError, match=f"sampler_address={address}"):
+    sampler_process.RemoteSampler(address, start, lambda _: None, timeout=0.5)
+  cfg = config_lib.base_config()
+  cfg.train.sampler_address = address
+  with pytest.raises(ConfigError, match="train.sampler_address"):
+    config_lib.validate(cfg)
+  cfg.train.max_staleness, cfg.train.sampler_address = 1, "localhost"
+  with pytest.raises(ConfigError, match="host:port"):
+    config_lib.validate(cfg)

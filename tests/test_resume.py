@@ -13,10 +13,11 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
+
+from gigrl import testing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--config.train.sft_steps=3", "--config.train.num_steps=4",
@@ -36,22 +37,14 @@ pytestmark = pytest.mark.slow     # subprocess runs of gigrl-train
 
 
 def _cmd(workdir, *extra):
-  return [sys.executable, "-m", "gigrl.cli.train", "--config",
-          os.path.join(ROOT, "configs/smoke.py"), "--workdir", str(workdir), *ARGS, *extra]
+  return testing.train_command(workdir, *ARGS, *extra)
 
 
-def _env():
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  return env
+_env = testing.single_process_env
 
 
 def _run(workdir, *extra, ok=True):
-  proc = subprocess.run(_cmd(workdir, *extra), capture_output=True, text=True, timeout=600,
-                        cwd=ROOT, env=_env())
-  if ok:
-    assert proc.returncode == 0, proc.stderr[-4000:]
-  return proc.stdout + proc.stderr if ok else proc
+  return testing.run_train(workdir, *ARGS, *extra, ok=ok)
 
 
 def _metrics(workdir):

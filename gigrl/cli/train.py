@@ -41,6 +41,9 @@ flags.DEFINE_string("coordinator_address", None, "Multi-process runs: host:port 
                     "(else $GIGRL_COORDINATOR; multi-host TPU VMs need none).")
 flags.DEFINE_integer("num_processes", None, "Multi-process runs: number of processes "
                      "(else $GIGRL_NUM_PROCESSES).")
+flags.DEFINE_bool("sampler", False, "Run as the sampler process of the trainer that listens at "
+                  "train.sampler_address (asynchronous RL across processes: the same --config, "
+                  "overrides and --workdir as the trainer's command).")
 flags.DEFINE_integer("process_id", None, "Multi-process runs: this process's id, 0 .. "
                      "num_processes - 1 (else $GIGRL_PROCESS_ID).")
 
@@ -236,7 +239,10 @@ def main(argv: list[str]) -> None:
     from gigrl.training import trainer
     # pylint: enable=g-import-not-at-top
     try:
-      api.train(cfg, FLAGS.workdir)
+      if FLAGS.sampler:
+        api.sample(cfg, FLAGS.workdir)
+      else:
+        api.train(cfg, FLAGS.workdir)
     except (ckpt_lib.CheckpointError, trainer.NonFiniteError) as e:
       fail(str(e), status=1)                 # the run failed; the message says what to do
     except Exception as e:  # pylint: disable=broad-except

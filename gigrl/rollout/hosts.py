@@ -4,6 +4,7 @@ process gets the global batch back. One process: the engine itself.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -109,9 +110,9 @@ class ProcessShare:
 
   def owned_now(self) -> Callable[[Any, np.ndarray], np.ndarray]:
     """:meth:`owned` of the last :meth:`run_rl`'s rows, kept for later (a rollout trained on
-    after the next one has run: ``train.max_staleness``)."""
-    local = self._local
-    return lambda group_fn, rows: self._owned(local, group_fn, rows)
+    after the next one has run: ``train.max_staleness``); picklable, so a sampler process can
+    send it with its rollout (one process's share: the whole batch)."""
+    return functools.partial(ProcessShare._owned, self._local)
 
   @staticmethod
   def _owned(local_share, group_fn, rows: np.ndarray) -> np.ndarray:

@@ -7,15 +7,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from typing import Any
 
 import ml_collections
+import tqdm
 
 from gigrl.training import compile_cache
 from gigrl import config as config_lib
 from gigrl import search as search_lib
 from gigrl.config_utils import check_writable_dir
 from gigrl.models import fetch
+from gigrl.training import sampler_process
 from gigrl.training import trainer as trainer_lib
 
 
@@ -82,3 +85,18 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> RunResult:
       metrics = json.load(f)
   return RunResult(workdir=str(workdir), step=step, total=total,
                    complete=step == total and not trainer.stopped, eval=metrics)
+
+
+def sample(cfg: ml_collections.ConfigDict, workdir: str) -> int:
+  """``gigrl-train --sampler``: the sampler process of the trainer that listens at
+  ``train.sampler_address`` (:func:`gigrl.training.sampler_process.serve`; the same config).
+
+  Returns:
+    the number of RL steps' rollouts sent.
+  Raises:
+    UserError / ConfigError / SearchError (:func:`check_startup`), SamplerError.
+  """
+  check_startup(cfg, workdir)
+  compile_cache.enable(cfg.train.compile_cache)
+  return sampler_process.serve(
+      cfg, workdir, lambda msg: tqdm.tqdm.write(f"[gigrl-sampler] {msg}", file=sys.stderr))

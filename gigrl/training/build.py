@@ -34,6 +34,7 @@ from gigrl.update import loss as loss_lib
 from gigrl import models
 from gigrl.update import step as update_lib
 from gigrl.config_utils import ConfigError, get_field
+from gigrl.data import pool as pool_lib
 from gigrl.data import qa
 from gigrl.data import tfds_qa
 from gigrl.data import tokenizer as tok_lib
@@ -41,6 +42,7 @@ from gigrl.models import lora as lora_lib
 from gigrl.models import sharding as sharding_lib
 from gigrl.rollout import engine as engine_lib
 from gigrl.rollout import demos as demos_lib
+from gigrl.rollout import hosts
 from gigrl.rollout import trajectory as traj_lib
 from gigrl.rollout import turns as turns_lib
 
@@ -506,6 +508,22 @@ def build_engine(cfg: ml_collections.ConfigDict, policy: Policy, tokenizer, retr
   return engine_lib.make_engine(cfg.rollout.engine, policy.model_cfg, policy.graphdef,
                                 tokenizer, retriever, rollout_settings(cfg, greedy=greedy),
                                 mesh=policy.sampler_mesh)
+
+
+def rl_engine(cfg: ml_collections.ConfigDict, policy: Policy, tokenizer, retriever
+              ) -> hosts.ProcessShare:
+  """The RL rollout engine, each process rolling out its share of a step's rows
+  (:class:`gigrl.rollout.hosts.ProcessShare` over :func:`build_engine`)."""
+  return hosts.ProcessShare(build_engine(cfg, policy, tokenizer, retriever),
+                            batch_axis_size(policy.sampler_mesh))
+
+
+def query_pool(cfg: ml_collections.ConfigDict, num_questions: int) -> pool_lib.QueryPool:
+  """The RL query pool over ``num_questions`` (:func:`rl_questions`) under ``data.pool``."""
+  p = cfg.data.pool
+  return pool_lib.QueryPool(num_questions, rule=p.rule, batch_size=cfg.data.prompts_per_step,
+                            oversample=p.oversample, success_threshold=p.success_threshold,
+                            seed=cfg.seed)
 
 
 def sft_demonstrations(cfg: ml_collections.ConfigDict, train_questions, tokenizer, retriever,

@@ -152,6 +152,10 @@ def close(sampler: "Sampler | None") -> None:
     sampler.close()
 
 
+class Stopped(Exception):
+  """:meth:`Sampler.get` after :meth:`Sampler.close`."""
+
+
 class Sampler:
   """Runs :func:`sample_step` for the trainer, synchronously or up to ``max_staleness`` steps
   ahead (module docstring).
@@ -225,16 +229,18 @@ class Sampler:
     """RL step ``step``'s rollout, and the seconds the trainer waited for it.
 
     Raises:
-      whatever the sampler thread raised.
+      whatever the sampler thread raised; :class:`Stopped` when :meth:`close` ran first.
     """
     t0 = time.perf_counter()
     if not self.k:
       params, version = self.current
       return self.sample(step, params, version), 0.0
     with self.cond:
-      self.cond.wait_for(lambda: step in self.ready or self.error is not None)
+      self.cond.wait_for(lambda: step in self.ready or self.error is not None or self.stopped)
       if self.error is not None:
         raise self.error
+      if step not in self.ready:
+        raise Stopped(f"the sampler was closed before step {step}")
       return self.ready.pop(step), time.perf_counter() - t0
 
   def publish(self, params, version: int) -> None:

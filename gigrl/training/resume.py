@@ -111,6 +111,14 @@ class RunCheckpoints:
     # donates (frees) params and optimizer state: hand it device copies instead.
     self.ckpt.save(state_lib.copy(saved), meta, force=force)
 
+  def keep_rl_progress(self, state: state_lib.TrainState) -> None:
+    """Writes ``state`` (after an RL step) unless its step is saved already, and waits for the
+    write: a run stopped by an error (a lost sampler process) keeps the steps it trained."""
+    if state.step > int(self.cfg.train.sft_steps) and state.step not in self.ckpt.steps():
+      self.save(state, "rl", force=True)
+      self.log(f"checkpoint at step {state.step} written")
+    self.ckpt.wait()
+
   def restore(self, state: state_lib.TrainState) -> state_lib.TrainState:
     """The latest checkpoint's state (see :meth:`Checkpointer.restore_latest`), else
     ``train.init_from``'s params, else ``state``."""

@@ -31,8 +31,6 @@ from gigrl import distributed
 from gigrl import search as search_lib
 from gigrl.advantages import inputs as adv_inputs
 from gigrl.data import copy_task
-from gigrl.data import pool as pool_lib
-from gigrl.rollout import hosts
 from gigrl.rollout import progress
 from gigrl.rollout import trajectory as traj_lib
 from gigrl.training import build
@@ -40,6 +38,7 @@ from gigrl.training import evaluator as evaluator_lib
 from gigrl.training import metrics as metrics_lib
 from gigrl.training import overlap
 from gigrl.training import resume
+from gigrl.training import sampler_process
 from gigrl.training import state as state_lib
 from gigrl.training import stop as stop_lib
 from gigrl.training import warmup
@@ -71,15 +70,10 @@ class Trainer:
     self.adv_cfg, self.adv_fn, adv_state = build.build_advantages(cfg)
     self.retriever = search_lib.make_retriever(cfg.search)
     self.settings = build.rollout_settings(cfg)
-    self.engine = hosts.ProcessShare(
-        build.build_engine(cfg, self.policy, self.tokenizer, self.retriever),
-        build.batch_axis_size(self.policy.sampler_mesh))
+    self.engine = build.rl_engine(cfg, self.policy, self.tokenizer, self.retriever)
     self.rl_questions = build.rl_questions(cfg.train, self.data.train, cfg.seed)
-    p = cfg.data.pool
-    self.pool = pool_lib.QueryPool(
-        len(self.rl_questions), rule=p.rule, batch_size=cfg.data.prompts_per_step,
-        oversample=p.oversample, success_threshold=p.success_threshold, seed=cfg.seed)
-    self.sampler: overlap.Sampler | None = None    # created at the first RL step
+    self.pool = build.query_pool(cfg, len(self.rl_questions))
+    self.sampler = None    # created at the first RL step (training.overlap / sampler_process)
     self.checkpoints = resume.RunCheckpoints(cfg, self.policy, self.pool, self.workdir, _log)
     self.evaluator = evaluator_lib.Evaluator(cfg, self.policy, self.tokenizer, self.retriever,
                                              self.data.eval, self.out, _log)
@@ -120,7 +114,11 @@ class Trainer:
           else:
             if step == sft_steps + 1:
               self._begin_rl()
-            record = self.rl_step(step)
+            try:
+              record = self.rl_step(step)
+            except sampler_process.SamplerError:
+              ckpts.keep_rl_progress(self.state)
+              raise
           self.state = self.state.replace(step=step)
           nonfinite_in_a_row = record.pop("_nonfinite_consecutive", 0)
           record, first = {**record, **first}, {}
@@ -192,9 +190,10 @@ class Trainer:
             "rollout/tokens_per_s": None, "step_time_s": dt, **m}
 
   # ------------------------------------------------------------------ RL
-  def _sampler(self, step: int) -> overlap.Sampler:
-    """The sampler of this run's RL steps (:mod:`gigrl.training.overlap`), from ``step``."""
-    self.sampler = self.sampler or overlap.for_trainer(self, step, _log)
+  def _sampler(self, step: int):
+    """The sampler of this run's RL steps, from ``step``: :mod:`gigrl.training.overlap` (this
+    process), or :mod:`gigrl.training.sampler_process` (``train.sampler_address``)."""
+    self.sampler = self.sampler or sampler_process.for_trainer(self, step, _log)
     return self.sampler
 
   def rl_step(self, step: int) -> dict[str, Any]:

@@ -272,7 +272,8 @@ def plan_run(t, start: int, demos) -> list[RunProgram]:
   if int(cfg.train.num_steps) and start < total:
     g = int(cfg.data.group_size)
     rows = local_rows(t.pool.num_candidates * g, rm)
-    out += engine_programs(t.engine.engine, rparams, rows, "rollout")
+    if not cfg.train.get("sampler_address"):     # else a sampler process's (warm_up_sampler)
+      out += engine_programs(t.engine.engine, rparams, rows, "rollout")
     ref = None if pol.lora.enabled else params
     out += update_programs(cfg, t.steps, pol.mesh, params, t.state.opt_state, ref, t._put,
                            seq_len, build.max_generated_tokens(cfg))
@@ -291,24 +292,54 @@ def plan_run(t, start: int, demos) -> list[RunProgram]:
   return unique
 
 
+def _rollout_stats(t, questions) -> shapes.PromptStats:
+  """The prompts' stats of ``questions`` and the longest observation the corpus can give."""
+  from gigrl.rollout import trajectory as traj_lib  # pylint: disable=import-outside-toplevel
+  return dataclasses.replace(prompt_stats(t.tokenizer, questions), obs_len=traj_lib.observation_cap(
+      t.tokenizer, t.retriever, t.settings.topk_docs, t.settings.max_obs_tokens))
+
+
+def _set_up_rl_engine(t, stats: shapes.PromptStats) -> int:
+  """Gives ``t``'s RL engine ``stats`` and the batch's distinct prompts; returns its rows per
+  process."""
+  from gigrl.training import build  # pylint: disable=import-outside-toplevel
+  g = int(t.cfg.data.group_size)
+  per = local_rows(t.pool.num_candidates * g, build.batch_axis_size(t.policy.sampler_mesh))
+  t.engine.engine.prompt_stats = stats
+  t.engine.engine.distinct_rows = -(-per // g) + (1 if per % g else 0)
+  return per
+
+
 def set_up_engines(t) -> None:
   """Gives the run's engines the prompts' lengths (RL and held-out questions together, so
   both engines share their prefill programs), the longest observation the corpus can give, and
   the RL batch's distinct prompts."""
   from gigrl.training import build  # pylint: disable=import-outside-toplevel
-  from gigrl.rollout import trajectory as traj_lib  # pylint: disable=import-outside-toplevel
-  stats = prompt_stats(t.tokenizer, list(t.rl_questions) + list(t.evaluator.questions))
-  stats = dataclasses.replace(stats, obs_len=traj_lib.observation_cap(
-      t.tokenizer, t.retriever, t.settings.topk_docs, t.settings.max_obs_tokens))
-  g = int(t.cfg.data.group_size)
-  per = local_rows(t.pool.num_candidates * g, build.batch_axis_size(t.policy.sampler_mesh))
-  t.engine.engine.prompt_stats = stats
-  t.engine.engine.distinct_rows = -(-per // g) + (1 if per % g else 0)
+  stats = _rollout_stats(t, list(t.rl_questions) + list(t.evaluator.questions))
+  _set_up_rl_engine(t, stats)
   ev = t.evaluator.engine().engine
   ev.prompt_stats = stats
   ev.distinct_rows = local_rows(min(int(t.cfg.train.eval_batch_size) or len(
       t.evaluator.questions), max(1, len(t.evaluator.questions))), build.batch_axis_size(
           t.policy.sampler_mesh))       # every row its own question: the tails on all B rows
+
+
+def warm_up_sampler(s, eval_questions: Sequence[Any], log: Callable[[str], None]) -> None:
+  """A sampler process's warm-up (:mod:`gigrl.training.sampler_process`): its RL engine's
+  programs only (the trainer compiles the updates and evaluations). ``s`` has a trainer's
+  ``cfg, tokenizer, retriever, settings, policy, engine, pool, rl_questions``; the prompt stats
+  count ``eval_questions`` too, so the programs are the trainer's own in one process."""
+  rows = _set_up_rl_engine(s, _rollout_stats(s, list(s.rl_questions) + list(eval_questions)))
+  if not bool(s.cfg.train.get("warmup", True)):
+    return
+  programs = engine_programs(s.engine.engine, s.policy.rollout_params(s.policy.params), rows,
+                             "rollout")
+  log(f"warm-up: {summary(programs)}")
+  try:
+    secs = compile_all(programs)
+  finally:
+    s.engine.engine.release()
+  log(f"warm-up: compiled {len(programs)} programs in {secs:.1f} s")
 
 
 def warm_up(t, start: int, demos, log: Callable[[str], None]) -> dict[str, float]:
