@@ -262,11 +262,16 @@ class Sampler:
     with self.hold:
       yield
 
+  def stop(self) -> None:
+    """Asks the sampler thread to stop after the step it is sampling (returns at once); a
+    :meth:`get` waiting for a later step raises :class:`Stopped`."""
+    with self.cond:
+      self.stopped = True
+      self.cond.notify_all()
+
   def close(self) -> None:
     """Stops the sampler thread (a step it is sampling finishes first)."""
     if self.thread is None:
       return
-    with self.cond:
-      self.stopped = True
-      self.cond.notify_all()
+    self.stop()
     self.thread.join()

@@ -336,9 +336,7 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
           sampler.publish(msg.leaves, msg.version)
       except (EOFError, OSError):
         pass
-      with sampler.cond:        # the trainer is done (or gone): stop after the current step
-        sampler.stopped = True
-        sampler.cond.notify_all()
+      sampler.stop()            # the trainer is done (or gone): stop after the current step
 
     receiver = threading.Thread(target=receive, name="gigrl-weights", daemon=True)
     receiver.start()

@@ -332,14 +332,22 @@ def warm_up_sampler(s, eval_questions: Sequence[Any], log: Callable[[str], None]
   rows = _set_up_rl_engine(s, _rollout_stats(s, list(s.rl_questions) + list(eval_questions)))
   if not bool(s.cfg.train.get("warmup", True)):
     return
-  programs = engine_programs(s.engine.engine, s.policy.rollout_params(s.policy.params), rows,
-                             "rollout")
+  _compile_logged(engine_programs(s.engine.engine, s.policy.rollout_params(s.policy.params),
+                                  rows, "rollout"), [s.engine.engine], log)
+
+
+def _compile_logged(programs: Sequence[RunProgram], engines: Sequence[Any],
+                    log: Callable[[str], None]) -> float:
+  """:func:`compile_all` with the count and the seconds logged; then frees the dummy caches the
+  ``engines``' programs were traced with. Returns the seconds."""
   log(f"warm-up: {summary(programs)}")
   try:
     secs = compile_all(programs)
   finally:
-    s.engine.engine.release()
+    for engine in engines:
+      engine.release()
   log(f"warm-up: compiled {len(programs)} programs in {secs:.1f} s")
+  return secs
 
 
 def warm_up(t, start: int, demos, log: Callable[[str], None]) -> dict[str, float]:
@@ -349,12 +357,6 @@ def warm_up(t, start: int, demos, log: Callable[[str], None]) -> dict[str, float
   if not bool(t.cfg.train.get("warmup", True)):
     return {}
   set_up_engines(t)
-  programs = plan_run(t, start, demos)
-  log(f"warm-up: {summary(programs)}")
-  try:
-    secs = compile_all(programs)
-  finally:
-    t.engine.engine.release()            # the dummy caches the programs were traced with
-    t.evaluator.engine().engine.release()
-  log(f"warm-up: compiled {len(programs)} programs in {secs:.1f} s")
+  secs = _compile_logged(plan_run(t, start, demos),
+                         [t.engine.engine, t.evaluator.engine().engine], log)
   return {"time/warmup_compile_s": secs}
