@@ -10,6 +10,7 @@ memory bandwidth (a copy of a 256 MiB array, counting bytes read and written).
 """
 from __future__ import annotations
 
+import json
 import os
 import platform
 import time
@@ -25,6 +26,19 @@ def cpu_model() -> str:
   except OSError:
     pass
   return platform.processor() or platform.machine()
+
+
+def write_record(path: str | None, script: str, argv: list[str], *, machine_key: str = "machine",
+                 **fields) -> None:
+  """Writes a benchmark's JSON record to ``path`` (nothing when it is empty): the command that
+  made it (``python benchmarks/<script> <argv>``), this machine (CPU model and core count, under
+  ``machine_key``), then ``fields``."""
+  if not path:
+    return
+  doc = {"command": " ".join(["python", f"benchmarks/{script}", *argv]),
+         machine_key: f"{cpu_model()}, {os.cpu_count()} cores", **fields}
+  with open(path, "w") as f:
+    json.dump(doc, f, indent=1)
 
 
 def _best(fn, repeats: int = 20) -> float:

@@ -119,12 +119,9 @@ def main() -> None:
   ratio = p["step_s_median"] / s["step_s_median"]
   print(f"step time split / sync: {ratio:.2f}x ({'split faster' if ratio < 1 else 'sync faster'})"
         f"; trained groups a step {s['trained_groups']} / {p['trained_groups']}")
+  _machine.write_record(a.out, "async_cpu.py", sys.argv[1:], machine_key="device", config=CONFIG,
+                        sync=s, split=p, ratio_split_over_sync=ratio)
   if a.out:
-    doc = {"command": " ".join(["python", "benchmarks/async_cpu.py", *sys.argv[1:]]),
-           "device": f"{_machine.cpu_model()} ({os.cpu_count()} cores), CPU",
-           "config": CONFIG, "sync": s, "split": p, "ratio_split_over_sync": ratio}
-    with open(a.out, "w") as f:
-      json.dump(doc, f, indent=1)
     print(f"wrote {a.out}")
 
 

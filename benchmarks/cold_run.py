@@ -102,15 +102,10 @@ def main(argv=None) -> int:
     ratio = f"{f[k] / b[k]:.3f}" if b[k] else "-"
     print(f"{k:28s} {b[k]:10.1f} {f[k]:10.1f} {ratio:>13s}")
   print(f"{'final held-out EM':28s} {b['final_em']:10.3f} {f['final_em']:10.3f}")
-  out = {"command": "python benchmarks/cold_run.py " + " ".join(argv or sys.argv[1:]),
-         "machine": f"{_machine.cpu_model()}, {os.cpu_count()} cores",
-         "config": CONFIG, "before": b, "after": f,
-         "ratio": {k: (f[k] / b[k] if b[k] else None)
-                   for k in ("rl_phase_s", "warm_rollout_s", "wall_s")}
-         | {"rl_phase_with_warmup_s": f["rl_phase_with_warmup_s"] / b["rl_phase_s"]}}
-  if a.out:
-    with open(a.out, "w") as fh:
-      json.dump(out, fh, indent=1)
+  _machine.write_record(
+      a.out, "cold_run.py", list(argv or sys.argv[1:]), config=CONFIG, before=b, after=f,
+      ratio={k: (f[k] / b[k] if b[k] else None) for k in ("rl_phase_s", "warm_rollout_s", "wall_s")}
+      | {"rl_phase_with_warmup_s": f["rl_phase_with_warmup_s"] / b["rl_phase_s"]})
   return 0
 
 

@@ -87,13 +87,9 @@ def main(argv=None) -> int:
     print(f"total {k:16s} before {x:7.2f}  after {y:7.2f}" + (f"  {y / x:.3f}" if x else ""))
   same = b["generated_tokens"] == f["generated_tokens"]
   print(f"same generated tokens per step: {same}")
-  out = {"command": "python benchmarks/rollout_ab.py " + " ".join(argv or sys.argv[1:]),
-         "machine": f"{_machine.cpu_model()}, {os.cpu_count()} cores", "config": CONFIG,
-         "before": b, "after": f, "same_generated_tokens": same,
-         "ratio": {k: y / x for k, (x, y) in med.items()}}
-  if a.out:
-    with open(a.out, "w") as fh:
-      json.dump(out, fh, indent=1)
+  _machine.write_record(a.out, "rollout_ab.py", list(argv or sys.argv[1:]), config=CONFIG,
+                        before=b, after=f, same_generated_tokens=same,
+                        ratio={k: y / x for k, (x, y) in med.items()})
   return 0
 
 

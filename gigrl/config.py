@@ -19,7 +19,7 @@ from gigrl import advantages
 from gigrl import models
 from gigrl import search
 from gigrl.config_utils import ConfigError, UserError, check_choice, check_file, check_range
-from gigrl.config_utils import get_field
+from gigrl.config_utils import get_field, host_port
 from gigrl.data import pool as pool_lib
 from gigrl.data import qa
 from gigrl.update import loss
@@ -263,9 +263,7 @@ def _validate_train(cfg):
   check_range(cfg, "train.max_staleness", 0, integer=True)
   address = str(cfg.train.get("sampler_address", ""))
   if address:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-      raise ConfigError("train.sampler_address", address, "host:port, e.g. localhost:5557")
+    host_port("train.sampler_address", address)
     if not int(cfg.train.max_staleness):
       raise ConfigError("train.sampler_address", address, "'' with train.max_staleness = 0 (a "
                         "sampler process samples ahead: set train.max_staleness >= 1)")

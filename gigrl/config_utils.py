@@ -76,6 +76,21 @@ def check_range(cfg: Any, field: str, lo: float | None = None,
   return value
 
 
+def host_port(field: str, value: str) -> tuple[str, int]:
+  """Reads ``value``, the config field ``field``, as ``host:port`` (the host may hold colons, as
+  an IPv6 address does).
+
+  Returns:
+    ``(host, port)``, the port an int in [1, 65535].
+  Raises:
+    ConfigError: naming the field when the value is not of that form.
+  """
+  host, _, port = value.rpartition(":")
+  if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    raise ConfigError(field, value, "host:port, e.g. localhost:5557")
+  return host, int(port)
+
+
 def check_file(cfg: Any, field: str, what: str) -> str:
   """Checks that ``cfg.<field>`` names a readable file with a non-blank line.
 

@@ -52,7 +52,7 @@ import numpy as np
 from etils import epath
 
 from gigrl import search as search_lib
-from gigrl.config_utils import ConfigError, UserError
+from gigrl.config_utils import ConfigError, UserError, host_port
 from gigrl.training import build
 from gigrl.training import evaluate as evaluate_lib
 from gigrl.training import overlap
@@ -97,11 +97,6 @@ class Params:
 class Failed:
   """Sampler -> trainer: the sampler's error, in words."""
   message: str
-
-
-def _endpoint(address: str) -> tuple[str, int]:
-  host, _, port = address.rpartition(":")
-  return host, int(port)
 
 
 def _authkey() -> bytes:
@@ -152,7 +147,8 @@ class RemoteSampler:
     # the newest version a step samples with: the last step's
     self.last_version = max(0, start.last_step - 1 - start.sft_steps - self.k)
     try:
-      self.listener = connection.Listener(_endpoint(address), authkey=_authkey())
+      self.listener = connection.Listener(host_port("train.sampler_address", address),
+                                          authkey=_authkey())
     except OSError as e:
       raise ConfigError("train.sampler_address", address,
                         f"an address this host can listen at ({e})") from None
@@ -285,7 +281,7 @@ def _connect(address: str, timeout: float, log: Callable[[str], None]):
   deadline, said = time.monotonic() + timeout, 0.0
   while True:
     try:
-      return connection.Client(_endpoint(address), authkey=_authkey())
+      return connection.Client(host_port("train.sampler_address", address), authkey=_authkey())
     except (ConnectionRefusedError, FileNotFoundError, OSError) as e:
       if time.monotonic() > deadline:
         raise SamplerError(f"no trainer listened at train.sampler_address={address} within "
