@@ -53,8 +53,8 @@ def _train(sampler, first, last, sft):
 def test_each_step_is_sampled_by_the_version_k_behind(k):
   sft, last = 3, 12
   fake = _Fake(delay=0.01)
-  s = overlap.Sampler(fake, max_staleness=k, first_rl_step=sft + 1, last_step=last,
-                      sft_steps=sft, params="v0", version=0, copy=lambda p: p)
+  s = overlap.schedule(fake, max_staleness=k, first_rl_step=sft + 1, last_step=last,
+                       sft_steps=sft, params="v0", version=0, copy=lambda p: p)
   got = _train(s, sft + 1, last, sft)
   assert [v for _, v in got] == [max(0, step - 1 - sft - k) for step, _ in got]
   # the params handed to sample are that version's, and the step is sampled once
@@ -71,8 +71,8 @@ def test_a_resumed_sampler_starts_from_the_restored_version():
   """After a resume at version 4 with k = 2, the versions 2 and 3 are gone: the next steps
   are sampled by version 4 (less stale), then k behind again."""
   fake = _Fake()
-  s = overlap.Sampler(fake, max_staleness=2, first_rl_step=8, last_step=12, sft_steps=3,
-                      params="v4", version=4, copy=lambda p: p)
+  s = overlap.schedule(fake, max_staleness=2, first_rl_step=8, last_step=12, sft_steps=3,
+                       params="v4", version=4, copy=lambda p: p)
   got = _train(s, 8, 12, 3)
   assert got == [(8, 4), (9, 4), (10, 4), (11, 5), (12, 6)]
 
@@ -80,8 +80,8 @@ def test_a_resumed_sampler_starts_from_the_restored_version():
 def test_a_sampler_error_reaches_the_trainer():
   def boom(step, params, version):
     raise RuntimeError(f"retriever down at step {step}")
-  s = overlap.Sampler(boom, max_staleness=1, first_rl_step=1, last_step=3, sft_steps=0,
-                      params="v0", version=0, copy=lambda p: p)
+  s = overlap.schedule(boom, max_staleness=1, first_rl_step=1, last_step=3, sft_steps=0,
+                       params="v0", version=0, copy=lambda p: p)
   with pytest.raises(RuntimeError, match="retriever down at step 1"):
     s.get(1)
   s.close()
@@ -89,8 +89,8 @@ def test_a_sampler_error_reaches_the_trainer():
 
 def test_paused_holds_the_sampler_between_steps():
   fake = _Fake(delay=0.02)
-  s = overlap.Sampler(fake, max_staleness=2, first_rl_step=1, last_step=6, sft_steps=0,
-                      params="v0", version=0, copy=lambda p: p)
+  s = overlap.schedule(fake, max_staleness=2, first_rl_step=1, last_step=6, sft_steps=0,
+                       params="v0", version=0, copy=lambda p: p)
   with s.paused():
     n = len(fake.calls)
     time.sleep(0.2)

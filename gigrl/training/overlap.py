@@ -3,16 +3,17 @@
 An RL step has two halves. :func:`sample_step` is the sampler's: sample prompts from the query
 pool, roll out with search, reward, and apply the pool's rule (accept, consume, recycle). The
 trainer's half (:meth:`gigrl.training.trainer.Trainer.rl_step`) computes the advantages and the
-update. :class:`Sampler` decides when the sampler's half of step ``s`` runs and with which
+update. :func:`schedule` decides when the sampler's half of step ``s`` runs and with which
 params:
 
-* ``max_staleness = 0``: synchronously, inside step ``s``, with the params the trainer has at
-  that moment (version ``s - 1``). This is the loop as it always was, call for call.
-* ``max_staleness = k >= 1``: in a background thread, ahead of the trainer, with the params of
-  version ``max(0, s - 1 - k)``, exactly (verl's ``one_step_off_policy`` for k = 1): the batch of
-  step ``s`` is trained on by version ``s - 1``, so every row is exactly ``min(k, s - 1)``
-  versions stale, and a run is as deterministic as a synchronous one. While the trainer updates,
-  the sampler generates the next k steps' rollouts.
+* ``max_staleness = 0`` (:class:`Synchronous`): synchronously, inside step ``s``, with the
+  params the trainer has at that moment (version ``s - 1``). This is the loop as it always was,
+  call for call.
+* ``max_staleness = k >= 1`` (:class:`Sampler`): in a background thread, ahead of the trainer,
+  with the params of version ``max(0, s - 1 - k)``, exactly (verl's ``one_step_off_policy`` for
+  k = 1): the batch of step ``s`` is trained on by version ``s - 1``, so every row is exactly
+  ``min(k, s - 1)`` versions stale, and a run is as deterministic as a synchronous one. While the
+  trainer updates, the sampler generates the next k steps' rollouts.
 
 Versions count RL updates: version 0 is the params RL starts from, version v the params after
 v updates. The trainer publishes each version (:meth:`Sampler.publish`); with k >= 1 that is a
@@ -122,8 +123,8 @@ def sample_step(t, step: int, params, version: int, log: Callable[[str], None]) 
                  pool_state=t.pool.state_dict(), t_start=t_start, t_roll=t_roll)
 
 
-def for_trainer(t, step: int, log: Callable[[str], None]) -> "Sampler":
-  """The :class:`Sampler` of trainer ``t``'s RL steps from ``step`` on (its params now are the
+def for_trainer(t, step: int, log: Callable[[str], None]) -> "Synchronous | Sampler":
+  """The :func:`schedule` of trainer ``t``'s RL steps from ``step`` on (its params now are the
   version ``step - 1 - train.sft_steps``).
 
   Raises:
@@ -136,17 +137,17 @@ def for_trainer(t, step: int, log: Callable[[str], None]) -> "Sampler":
     raise ConfigError("train.max_staleness", k, "0 on several processes (asynchronous RL runs "
                       "in one process for now)")
   sft = int(cfg.train.sft_steps)
-  return Sampler(lambda s, params, v: sample_step(t, s, params, v, log), max_staleness=k,
+  return schedule(lambda s, params, v: sample_step(t, s, params, v, log), max_staleness=k,
                  first_rl_step=step, last_step=sft + int(cfg.train.num_steps), sft_steps=sft,
                  params=t.state.params, version=step - 1 - sft, copy=state_lib.copy)
 
 
-def paused(sampler: "Sampler | None"):
+def paused(sampler: "Synchronous | Sampler | None"):
   """:meth:`Sampler.paused`, or nothing when there is no sampler yet."""
   return contextlib.nullcontext() if sampler is None else sampler.paused()
 
 
-def close(sampler: "Sampler | None") -> None:
+def close(sampler: "Synchronous | Sampler | None") -> None:
   """:meth:`Sampler.close` when there is one."""
   if sampler is not None:
     sampler.close()
@@ -156,9 +157,11 @@ class Stopped(Exception):
   """:meth:`Sampler.get` after :meth:`Sampler.close`."""
 
 
-class Sampler:
-  """Runs :func:`sample_step` for the trainer, synchronously or up to ``max_staleness`` steps
-  ahead (module docstring).
+def schedule(sample: Callable[[int, Any, int], Rollout], *, max_staleness: int,
+             first_rl_step: int, last_step: int, sft_steps: int, params, version: int,
+             copy: Callable[[Any], Any]) -> "Synchronous | Sampler":
+  """The schedule of :func:`sample_step` for ``max_staleness = k``: :class:`Synchronous` for
+  k = 0, else a :class:`Sampler` thread k steps ahead (module docstring).
 
   Args:
     sample: ``sample(step, params, version) -> Rollout``.
@@ -170,29 +173,69 @@ class Sampler:
     params, version: the params the trainer starts RL with, and their version.
     copy: ``copy(params) -> params``, a device copy (the trainer's next update donates its own).
   """
+  if not int(max_staleness):
+    return Synchronous(sample, params=params, version=version)
+  return Sampler(sample, max_staleness=max_staleness, first_rl_step=first_rl_step,
+                 last_step=last_step, sft_steps=sft_steps, params=params, version=version,
+                 copy=copy)
+
+
+class Synchronous:
+  """k = 0: each step is sampled inside the trainer's step, on its thread, by the params it has
+  then (version ``step - 1 - sft_steps``): the loop as it always was, call for call. The
+  interface of :class:`Sampler`."""
+  k = 0
+
+  def __init__(self, sample: Callable[[int, Any, int], Rollout], *, params, version: int):
+    self.sample, self.current = sample, (params, int(version))
+
+  def get(self, step: int) -> tuple[Rollout, float]:
+    """Samples RL step ``step`` now; the trainer waited 0 s for it."""
+    params, version = self.current
+    return self.sample(step, params, version), 0.0
+
+  def publish(self, params, version: int) -> None:
+    """The trainer's params after its update ``version`` (kept, not copied)."""
+    self.current = (params, int(version))
+
+  def paused(self):
+    """Nothing runs between two steps: a no-op context."""
+    return contextlib.nullcontext()
+
+  def stop(self) -> None:
+    """Nothing to stop."""
+
+  def close(self) -> None:
+    """Nothing to close."""
+
+
+class Sampler:
+  """Runs :func:`sample_step` for the trainer in a thread, up to ``max_staleness = k >= 1``
+  steps ahead (module docstring); the arguments are :func:`schedule`'s.
+
+  Raises:
+    ValueError: when k < 1 (k = 0 is :class:`Synchronous`).
+  """
 
   def __init__(self, sample: Callable[[int, Any, int], Rollout], *, max_staleness: int,
                first_rl_step: int, last_step: int, sft_steps: int, params, version: int,
                copy: Callable[[Any], Any]):
+    if int(max_staleness) < 1:
+      raise ValueError(f"max_staleness={max_staleness}: a Sampler samples ahead (k >= 1)")
     self.sample, self.k, self.sft_steps = sample, int(max_staleness), int(sft_steps)
     self.last_step, self.copy = int(last_step), copy
     self.next_step = int(first_rl_step)
-    self.current = (params, int(version))    # the trainer's latest (k = 0)
-    self.versions: dict[int, Any] = {}       # k >= 1: published copies still needed
+    self.versions: dict[int, Any] = {int(version): copy(params)}   # copies still needed
     self.ready: dict[int, Rollout] = {}
     self.error: BaseException | None = None
     self.cond = threading.Condition()
     self.hold = threading.Lock()             # held by the sampler while it samples a step
     self.stopped = False
-    self.thread = None
-    if self.k:
-      self.versions[int(version)] = copy(params)
-      self.thread = threading.Thread(target=self._loop, name="gigrl-sampler", daemon=True)
-      self.thread.start()
+    self.thread = threading.Thread(target=self._loop, name="gigrl-sampler", daemon=True)
+    self.thread.start()
 
   def version_for(self, step: int) -> int:
-    """The params version that samples RL step ``step``: ``max(0, step - 1 - sft_steps - k)``
-    (k = 0: the trainer's current one, ``step - 1 - sft_steps``)."""
+    """The params version that samples RL step ``step``: ``max(0, step - 1 - sft_steps - k)``."""
     return max(0, step - 1 - self.sft_steps - self.k)
 
   def _loop(self) -> None:
@@ -232,9 +275,6 @@ class Sampler:
       whatever the sampler thread raised; :class:`Stopped` when :meth:`close` ran first.
     """
     t0 = time.perf_counter()
-    if not self.k:
-      params, version = self.current
-      return self.sample(step, params, version), 0.0
     with self.cond:
       self.cond.wait_for(lambda: step in self.ready or self.error is not None or self.stopped)
       if self.error is not None:
@@ -244,10 +284,7 @@ class Sampler:
       return self.ready.pop(step), time.perf_counter() - t0
 
   def publish(self, params, version: int) -> None:
-    """The trainer's params after its update ``version`` (k >= 1: copied for the sampler)."""
-    if not self.k:
-      self.current = (params, int(version))
-      return
+    """The trainer's params after its update ``version`` (copied for the sampler)."""
     copy = self.copy(params)
     with self.cond:
       self.versions[int(version)] = copy
@@ -256,9 +293,6 @@ class Sampler:
   @contextlib.contextmanager
   def paused(self):
     """Holds the sampler between two steps (for an evaluation, which shares the retriever)."""
-    if not self.k:
-      yield
-      return
     with self.hold:
       yield
 
@@ -271,7 +305,5 @@ class Sampler:
 
   def close(self) -> None:
     """Stops the sampler thread (a step it is sampling finishes first)."""
-    if self.thread is None:
-      return
     self.stop()
     self.thread.join()
