@@ -106,9 +106,10 @@ def train_config() -> ml_collections.ConfigDict:
   c.rl_skip_sft_questions = False  # RL samples only the questions after the first sft_questions
   c.max_staleness = 0          # k >= 1: rollouts of the next k steps are sampled while a step
                                # trains, by params exactly k versions old (training.overlap, #52)
-  c.sampler_address = ""       # "host:port" (k >= 1): the trainer listens there and a second process,
-                               # `gigrl-train --sampler` with the same config, samples on its own
-                               # devices (training.sampler_process); "" = a thread of this process
+  c.sampler_address = ""       # "host:port" (k >= 1): a second process, `gigrl-train --sampler`
+                               # with the same config, listens there and samples on its own
+                               # devices; the trainer's processes connect (training.
+                               # sampler_process); "" = a thread of this process
   c.rl_pool_size = 0           # n > 0: RL samples a random n of those questions (drawn with `seed`),
                                # a pool small enough to run out (query recycling's regime, #51)
   c.init_from = ""             # "<workdir>[@step]": a new run starts RL from the params of that

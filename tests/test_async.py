@@ -210,20 +210,40 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _start_pair(work, port):
-  """The trainer and its sampler process (``train.sampler_address``), both started."""
+def _start_pair(work, port, *, processes: int = 0, devices: int = 1):
+  """The trainer and its sampler process (``train.sampler_address``), all started: the trainer
+  on one process (``processes = 0``) or on ``processes`` joined by ``jax.distributed`` (gloo),
+  each with ``devices`` CPU devices, the sampler on one. Returns the trainer processes, then the
+  sampler."""
   args = [*_async(1), f"--config.train.sampler_address=localhost:{port}"]
-  trainer = subprocess.Popen(_cmd(work, *args), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
-  sampler = subprocess.Popen(_cmd(work, *args, "--sampler"), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
-  return trainer, sampler
+  flags = {} if devices == 1 else {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  envs = [_env(**flags)] if not processes else [
+      _env(**flags, GIGRL_COORDINATOR=f"127.0.0.1:{_free_port()}",
+           GIGRL_NUM_PROCESSES=str(processes), GIGRL_PROCESS_ID=str(i)) for i in range(processes)]
+  if processes:
+    for e in envs[1:]:
+      e["GIGRL_COORDINATOR"] = envs[0]["GIGRL_COORDINATOR"]
+  cmds = [(_cmd(work, *args), e) for e in envs] + [(_cmd(work, *args, "--sampler"), _env())]
+  procs = []
+  for i, (cmd, env) in enumerate(cmds):   # stderr to files: a full pipe would stall a process
+    log = f"{work}.{i}.log"
+    with open(log, "w") as f:
+      procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f, text=True,
+                                    cwd=ROOT, env=env))
+    procs[-1].log = log
+  return procs
+
+
+def _stderr(proc) -> str:
+  with open(proc.log) as f:
+    return f.read()
 
 
 def _finish(*procs):
-  outs = [p.communicate(timeout=600)[1] for p in procs]
-  for p, err in zip(procs, outs):
-    assert p.returncode == 0, err[-4000:]
+  for p in procs:
+    p.wait(timeout=600)
+  for p in procs:
+    assert p.returncode == 0, _stderr(p)[-4000:]
 
 
 @pytest.mark.slow
@@ -245,6 +265,29 @@ def test_a_sampler_process_runs_the_thread_schedule(tmp_path, k1_run):
 
 
 @pytest.mark.slow
+def test_a_trainer_on_two_processes_with_a_sampler_process(tmp_path):
+  """The trainer on 2 processes x 1 CPU device (gloo), each connected to the one sampler
+  process, each sending its own shards of the params after every update: every metric of every
+  step equals, to 1e-6, the run whose trainer is 1 process x 2 devices (the same global layout),
+  with each row min(1, updates) versions stale and no compile inside a step."""
+  ref, two = tmp_path / "one", tmp_path / "two"
+  _finish(*_start_pair(ref, _free_port(), devices=2))
+  _finish(*_start_pair(two, _free_port(), processes=2))
+  a, b = _rl(ref), _rl(two)
+  assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(4, 10))
+  for x, y in zip(a, b):
+    keys = {k for k in x.keys() | y.keys() if not k.startswith("time/")
+            and not k.endswith(("_s", "tokens_per_s"))}
+    for k in sorted(keys):
+      if isinstance(x.get(k), float):
+        assert y.get(k) == pytest.approx(x[k], abs=1e-6, rel=1e-6), (x["step"], k)
+      else:
+        assert y.get(k) == x.get(k), (x["step"], k)
+    assert y["time/rollout_compile_s"] == 0 and y["time/update_compile_s"] == 0
+  assert [r["async/staleness_max"] for r in b] == [0, 1, 1, 1, 1, 1]
+
+
+@pytest.mark.slow
 def test_a_killed_sampler_process_loses_nothing(tmp_path):
   """SIGKILL the sampler process once the trainer has checkpointed step 6: the trainer
   checkpoints the last step it trained and stops with one line naming
@@ -257,8 +300,9 @@ def test_a_killed_sampler_process_loses_nothing(tmp_path):
   while not ckpt.exists() and trainer.poll() is None and time.time() < deadline:
     time.sleep(0.05)
   sampler.send_signal(signal.SIGKILL)
-  sampler.communicate()
-  err = trainer.communicate(timeout=600)[1]
+  sampler.wait()
+  trainer.wait(timeout=600)
+  err = _stderr(trainer)
   assert ckpt.exists(), err[-4000:]
   assert trainer.returncode == 2, err[-4000:]
   last = err.strip().splitlines()[-1]
@@ -277,16 +321,16 @@ def test_a_killed_sampler_process_loses_nothing(tmp_path):
 
 
 def test_sampler_process_errors_name_the_field(tmp_path):
-  """No sampler connects: the trainer's wait ends with an error naming the address; a
-  sampler address needs k >= 1."""
+  """No sampler process listens: the trainer's wait ends with an error naming the address; a
+  sampler address needs k >= 1 and the host:port form."""
   from gigrl import config as config_lib  # pylint: disable=import-outside-toplevel
   from gigrl.config_utils import ConfigError  # pylint: disable=import-outside-toplevel
   from gigrl.training import sampler_process  # pylint: disable=import-outside-toplevel
   start = sampler_process.Start(first_rl_step=1, last_step=2, sft_steps=0, max_staleness=1,
-                                version=0, params=[], pool_state={})
+                                version=0, pool_state={})
   address = f"localhost:{_free_port()}"
   with pytest.raises(sampler_process.SamplerError, match=f"sampler_address={address}"):
-    sampler_process.RemoteSampler(address, start, lambda _: None, timeout=0.5)
+    sampler_process.RemoteSampler(address, start, [], lambda _: None, timeout=0.5)
   cfg = config_lib.base_config()
   cfg.train.sampler_address = address
   with pytest.raises(ConfigError, match="train.sampler_address"):
@@ -294,3 +338,26 @@ def test_sampler_process_errors_name_the_field(tmp_path):
   cfg.train.max_staleness, cfg.train.sampler_address = 1, "localhost"
   with pytest.raises(ConfigError, match="host:port"):
     config_lib.validate(cfg)
+
+
+def test_params_pieces_assemble_to_the_trainer_params():
+  """Each process's shards of a leaf (replica id 0 only) assemble to the whole leaf: here the
+  8 simulated devices' shards of an FSDP-sharded leaf and of a replicated one (sent once), as a
+  2-process trainer's two halves would arrive; a missing piece is an error, not zeros."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  from gigrl.training import sampler_process  # pylint: disable=import-outside-toplevel
+  mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+  a = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
+  b = np.arange(5, dtype=np.int32)
+  params = {"a": jax.device_put(a, NamedSharding(mesh, P("fsdp"))),
+            "b": jax.device_put(b, NamedSharding(mesh, P()))}
+  pieces = sampler_process._pieces(params)  # pylint: disable=protected-access
+  assert len(pieces) == len(jax.devices()) + 1            # a's 8 shards, b once
+  half = len(pieces) // 2                                 # "process 0" and "process 1"
+  got = sampler_process.assemble(pieces[half:] + pieces[:half], jax.tree.leaves(params))
+  np.testing.assert_array_equal(got[0], a)
+  np.testing.assert_array_equal(got[1], b)
+  with pytest.raises(RuntimeError, match="cover leaves"):
+    sampler_process.assemble(pieces[1:], jax.tree.leaves(params))

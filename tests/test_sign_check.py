@@ -36,12 +36,15 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import socket
+import subprocess
 
 import jax
 import numpy as np
 import pytest
 
 from gigrl import config as config_lib
+from gigrl import testing
 from gigrl.training import evaluate
 from gigrl.training import metrics as metrics_lib
 from gigrl.update import batch as batch_lib
@@ -55,30 +58,29 @@ SFT_STEPS, RL_STEPS = 60, 6
 MARGIN = 0.01     # nats per answer token
 
 
-def _config(rl_steps: int):
-  cfg = config_lib.base_config()
+def _overrides(rl_steps: int) -> list[str]:
+  """The run's fields over ``configs/base.py``, as ``gigrl-train``'s ``--config.`` flags (the
+  in-process runs and the sampler-process pair share them)."""
   root = os.path.join(qa.bundled_dir(), "countries")
-  cfg.seed = int(os.environ.get("GIGRL_SIGN_CHECK_SEED", "0"))   # the 5-seed spread: docstring
-  cfg.data.questions_file = os.path.join(root, "questions.jsonl")
-  cfg.search.corpus = os.path.join(root, "corpus.jsonl")
-  cfg.data.max_train_questions = 16       # the first training ids are 1-hop questions
-  cfg.data.prompts_per_step, cfg.data.group_size = 8, 4
-  cfg.data.pool.rule, cfg.data.pool.oversample = "grpo", 1
-  cfg.model.preset = "tiny"
-  cfg.rollout.max_turns = 1
-  cfg.rollout.max_new_tokens = 24
-  cfg.rollout.max_obs_tokens = 96
-  cfg.rollout.max_prompt_tokens = 192
-  cfg.train.sft_steps = SFT_STEPS
-  cfg.train.sft_batch_size = 16
-  cfg.train.sft_learning_rate = 3e-3
-  cfg.train.num_steps = rl_steps
-  cfg.train.learning_rate = 3e-4
-  cfg.train.eval_questions = 0
-  cfg.train.sample_every = 1000
-  cfg.checkpoint.every_steps = SFT_STEPS
-  cfg.checkpoint.keep = 5
-  cfg.checkpoint.async_save = False
+  return [
+      f"seed={int(os.environ.get('GIGRL_SIGN_CHECK_SEED', '0'))}",   # the 5-seed spread
+      f"data.questions_file={os.path.join(root, 'questions.jsonl')}",
+      f"search.corpus={os.path.join(root, 'corpus.jsonl')}",
+      "data.max_train_questions=16",       # the first training ids are 1-hop questions
+      "data.prompts_per_step=8", "data.group_size=4",
+      "data.pool.rule=grpo", "data.pool.oversample=1", "loss.use_kl_loss=False",
+      "model.preset=tiny",
+      "rollout.max_turns=1", "rollout.max_new_tokens=24", "rollout.max_obs_tokens=96",
+      "rollout.max_prompt_tokens=192",
+      f"train.sft_steps={SFT_STEPS}", "train.sft_batch_size=16", "train.sft_learning_rate=3e-3",
+      f"train.num_steps={rl_steps}", "train.learning_rate=3e-4",
+      "train.eval_questions=0", "train.sample_every=1000",
+      f"checkpoint.every_steps={SFT_STEPS}", "checkpoint.keep=5", "checkpoint.async_save=False"]
+
+
+def _config(rl_steps: int, *extra: str):
+  cfg = config_lib.base_config()
+  config_lib.apply_overrides(cfg, [*_overrides(rl_steps), *extra])
   return cfg
 
 
@@ -120,22 +122,27 @@ def warm_start(tmp_path_factory):
   return workdir, batches, {k: answer_logprob(sft, *b) for k, b in batches.items()}
 
 
-def run_rl(warm_start, workdir, *, flip: bool = False) -> tuple[dict[str, float], list[float]]:
-  """RL from a copy of the warm-start: (log-prob after RL, reward_mean per step). ``flip``
-  negates the token advantages (``batch_lib.token_advantages``) for this run only."""
+def run_rl(warm_start, workdir, *extra: str,
+           flip: bool = False) -> tuple[dict[str, float], list[float]]:
+  """RL from a copy of the warm-start (``extra``: more ``--config.`` fields): (log-prob after
+  RL, reward_mean per step). ``flip`` negates the token advantages
+  (``batch_lib.token_advantages``) for this run only."""
   sft_dir, batches, _ = warm_start
   shutil.copytree(sft_dir, workdir)
   real = batch_lib.token_advantages
   if flip:
     batch_lib.token_advantages = lambda a, s: -real(a, s)
   try:
-    rl = trainer_lib.Trainer(_config(RL_STEPS), workdir)     # resumes at the end of SFT
+    rl = trainer_lib.Trainer(_config(RL_STEPS, *extra), workdir)     # resumes at the end of SFT
     rl.run()
   finally:
     batch_lib.token_advantages = real
-  rewards = [r["reward_mean"] for r in metrics_lib.read_metrics(workdir / "metrics.jsonl")
-             if r.get("phase") == "rl"]
-  return {k: answer_logprob(rl, *b) for k, b in batches.items()}, rewards
+  return {k: answer_logprob(rl, *b) for k, b in batches.items()}, _rewards(workdir)
+
+
+def _rewards(workdir) -> list[float]:
+  return [r["reward_mean"] for r in metrics_lib.read_metrics(workdir / "metrics.jsonl")
+          if r.get("phase") == "rl"]
 
 
 @pytest.mark.slow
@@ -162,4 +169,45 @@ def test_rl_ends_above_negated_advantages_on_training_questions(warm_start, tmp_
   assert 0 < np.mean(rewards) < 1, rewards        # groups with mixed outcomes exist
   # The RL's training questions only: on held-out questions the two runs do not separate
   # reliably at this size (module docstring).
+  assert after["train"] > flipped["train"] + MARGIN, (before, after, flipped)
+
+
+ASYNC = ("train.max_staleness=1", "loss.off_policy_correction=tis")
+
+
+@pytest.mark.slow
+def test_a_sampler_process_pair_learns_the_training_questions(warm_start, tmp_path):
+  """Issue #52's "2 processes (1 sampler + 1 trainer) learn the tiny task": the same RL at
+  ``train.max_staleness = 1``, once as a trainer process and a sampler process joined by
+  ``train.sampler_address`` and once in this process with the advantages negated. The pair ends
+  with the higher answer log-prob on its training questions (the sign test above, across
+  processes and one version stale), and earns reward from answers it generates. A pair whose
+  sampler never received the trainer's weights would sample every step from the warm start and
+  still pass; that is ruled out by ``test_async.py``'s pair, whose every metric equals the
+  one-process run's."""
+  sft_dir, batches, before = warm_start
+  flipped, _ = run_rl(warm_start, tmp_path / "flipped", *ASYNC, flip=True)
+  work = tmp_path / "pair"
+  shutil.copytree(sft_dir, work)
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  flags = [f"--config.{o}" for o in (*_overrides(RL_STEPS), *ASYNC,
+                                      f"train.sampler_address=localhost:{port}")]
+  cmd = testing.train_command(work, *flags, config="configs/base.py")
+  procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            cwd=testing.REPO) for c in (cmd, [*cmd, "--sampler"])]
+  for p in procs:     # this process's environment: the same 8 simulated devices
+    err = p.communicate(timeout=900)[1]
+    assert p.returncode == 0, err[-4000:]
+  pair = trainer_lib.Trainer(_config(RL_STEPS, *ASYNC), work)
+  pair.state = pair.checkpoints.restore(pair.state)
+  assert pair.state.step == SFT_STEPS + RL_STEPS
+  after = {k: answer_logprob(pair, *b) for k, b in batches.items()}
+  rewards = _rewards(work)
+  for k in before:
+    print(f"sign check, sampler process pair, k = 1 ({k} batch): after SFT {before[k]:.4f}; "
+          f"after RL {after[k]:.4f}; in one process with negated advantages {flipped[k]:.4f}")
+  print(f"reward_mean per RL step: {rewards}")
+  assert 0 < np.mean(rewards) < 1, rewards
   assert after["train"] > flipped["train"] + MARGIN, (before, after, flipped)

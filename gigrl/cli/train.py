@@ -41,9 +41,10 @@ flags.DEFINE_string("coordinator_address", None, "Multi-process runs: host:port 
                     "(else $GIGRL_COORDINATOR; multi-host TPU VMs need none).")
 flags.DEFINE_integer("num_processes", None, "Multi-process runs: number of processes "
                      "(else $GIGRL_NUM_PROCESSES).")
-flags.DEFINE_bool("sampler", False, "Run as the sampler process of the trainer that listens at "
-                  "train.sampler_address (asynchronous RL across processes: the same --config, "
-                  "overrides and --workdir as the trainer's command).")
+flags.DEFINE_bool("sampler", False, "Run as the sampler process: listen at "
+                  "train.sampler_address for the trainer's processes (asynchronous RL across "
+                  "processes: the same --config, overrides and --workdir as the trainer's "
+                  "command).")
 flags.DEFINE_integer("process_id", None, "Multi-process runs: this process's id, 0 .. "
                      "num_processes - 1 (else $GIGRL_PROCESS_ID).")
 

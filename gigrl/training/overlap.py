@@ -129,13 +129,15 @@ def for_trainer(t, step: int, log: Callable[[str], None]) -> "Synchronous | Samp
 
   Raises:
     ConfigError: naming ``train.max_staleness`` when k >= 1 on several processes (each would
-      issue the sampler's and the trainer's programs in its own order: not supported yet).
+      issue the sampler's and the trainer's programs in its own order: a sampler process,
+      ``train.sampler_address``, serves that case).
   """
   cfg = t.cfg
   k = int(cfg.train.max_staleness)
   if k and jax.process_count() > 1:
-    raise ConfigError("train.max_staleness", k, "0 on several processes (asynchronous RL runs "
-                      "in one process for now)")
+    raise ConfigError("train.max_staleness", k, "0 on several processes without "
+                      "train.sampler_address (the sampler thread serves a one-process trainer; a "
+                      "sampler process serves a trainer on any number of processes)")
   sft = int(cfg.train.sft_steps)
   return schedule(lambda s, params, v: sample_step(t, s, params, v, log), max_staleness=k,
                  first_rl_step=step, last_step=sft + int(cfg.train.num_steps), sft_steps=sft,

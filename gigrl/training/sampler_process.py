@@ -1,38 +1,45 @@
 """The sampler in a process of its own: asynchronous RL across processes (#52).
 
-With ``train.max_staleness = k >= 1`` and ``train.sampler_address = "host:port"``, ``gigrl-train``
-trains on its own devices and listens at that address; a second process, the same command with
-``--sampler``, connects and runs the sampler's half of every RL step
-(:func:`gigrl.training.overlap.sample_step`: prompts from the query pool, rollout with search,
-reward, the pool's rule) on its devices::
+With ``train.max_staleness = k >= 1`` and ``train.sampler_address = "host:port"``, a sampler
+process (``gigrl-train --sampler``, the same config) listens at that address and runs the
+sampler's half of every RL step (:func:`gigrl.training.overlap.sample_step`: prompts from the
+query pool, rollout with search, reward, the pool's rule) on its own devices; the trainer
+(``gigrl-train`` without the flag, on one process or on several joined by ``jax.distributed``)
+connects to it, one connection per trainer process, and trains::
 
   gigrl-train --config C --workdir W --config.train.max_staleness=1 \\
-      --config.train.sampler_address=localhost:5557 &
+      --config.train.sampler_address=localhost:5557 --sampler &
   gigrl-train --config C --workdir W --config.train.max_staleness=1 \\
-      --config.train.sampler_address=localhost:5557 --sampler
+      --config.train.sampler_address=localhost:5557
 
-The two are separate JAX programs (on a pod each would be its own cluster of hosts, joined by
-``jax.distributed``; here each is one process). They share one TCP connection
-(:mod:`multiprocessing.connection`, authenticated with ``$GIGRL_SAMPLER_KEY``, default
-``gigrl``) and nothing else:
+The sampler and the trainer are separate JAX programs: every process of one JAX cluster must
+issue the same programs in the same order, and two halves running at their own pace do not.
+They share the TCP connections (:mod:`multiprocessing.connection`, authenticated with
+``$GIGRL_SAMPLER_KEY``, default ``gigrl``) and nothing else:
 
-* trainer -> sampler: a :class:`Start` when RL starts (the first RL step, the params and their
-  version, the query pool's state), then after each update its params (:class:`Params`: a host
-  copy of every leaf: the weights move by host broadcast), then ``None`` to stop;
-* sampler -> trainer: each RL step's :class:`gigrl.training.overlap.Rollout`, in step order, or
-  a :class:`Failed` naming the sampler's error.
+* each trainer process -> sampler: a :class:`Hello` (its process index and the count), then
+  (process 0 only) a :class:`Start` when RL starts (the first RL step and the schedule's
+  arguments, the query pool's state); then the params RL starts from and, after each update, the
+  new ones, as :class:`Params`: the process's own shards of every leaf, read to its host (no
+  collective: each host sends what it holds, one copy of each shard over the cluster); then
+  ``None`` to stop. The sampler assembles a version when every trainer process's shards of it
+  have arrived: the weights move by host broadcast, in pieces.
+* sampler -> every trainer process: each RL step's :class:`gigrl.training.overlap.Rollout`, in
+  step order (pickled once, the same bytes to each), or a :class:`Failed` naming its error.
 
-The sampler process runs :class:`gigrl.training.overlap.Sampler`, the schedule of the in-process
-thread, so step ``s`` is sampled by exactly version ``max(0, s - 1 - sft_steps - k)``: a run is
-as deterministic as a one-process run with the same k, and its metrics are the same (a test). A
-receiving thread reads each version off the socket and puts it on the sampler's devices while
-the sampler decodes, so new weights never stop the sampler; it waits only when the version a step
-needs has not arrived yet (``time/sampler_idle_s``: the staleness bound at work).
+The sampler runs :class:`gigrl.training.overlap.Sampler`, the schedule of the in-process thread,
+so step ``s`` is sampled by exactly version ``max(0, s - 1 - sft_steps - k)``: a run is as
+deterministic as a one-process run with the same k, and its metrics are the same (a test).
+Receiving threads read the weights off the sockets and put each version on the sampler's devices
+while the sampler decodes, so new weights never stop the sampler; it waits only when the version
+a step needs has not arrived yet (``time/sampler_idle_s``: the staleness bound at work).
 
 The query pool lives in the sampler, which starts from the trainer's pool state (its
 checkpoint's, on a resume). Each rollout carries the pool's state after it, which the trainer
-checkpoints with the step it trains, as in one process. Faults: when either process dies the
-other stops with an error naming the address; rerunning both resumes from the trainer's last
+checkpoints with the step it trains, as in one process. Faults: when the sampler dies, the
+trainer processes agree (one all-reduce of a flag) that step ``s``'s rollout did not reach all
+of them, checkpoint the last step they trained and stop with an error naming the address; when
+a trainer process dies, the sampler stops. Rerunning both resumes from the trainer's last
 checkpoint, the rollouts that were in flight sampled again (none trained twice, none lost).
 """
 from __future__ import annotations
@@ -40,17 +47,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import pickle
 import queue
 import threading
 import time
 from multiprocessing import connection
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import ml_collections
 import numpy as np
 from etils import epath
 
+from gigrl import distributed
 from gigrl import search as search_lib
 from gigrl.config_utils import ConfigError, UserError, host_port
 from gigrl.training import build
@@ -68,29 +77,39 @@ class SamplerError(UserError):
 
 
 @dataclasses.dataclass
+class Hello:
+  """Trainer process -> sampler, first: which of the trainer's processes this connection is."""
+  process_index: int
+  process_count: int
+
+
+@dataclasses.dataclass
 class Start:
-  """Trainer -> sampler when RL starts: what the sampler's schedule and pool start from.
+  """Trainer process 0 -> sampler when RL starts: what the sampler's schedule and pool start from.
 
   Attributes:
     first_rl_step, last_step, sft_steps, max_staleness: :class:`overlap.Sampler`'s arguments.
-    version: the params' version (RL updates so far); params: their leaves (host numpy arrays,
-      ``jax.tree.leaves`` order of the trainer's params); pool_state: the query pool's
-      :meth:`~gigrl.data.pool.QueryPool.state_dict`.
+    version: the version (RL updates so far) of the params RL starts from (sent next, as
+      :class:`Params`); pool_state: the query pool's :meth:`~gigrl.data.pool.QueryPool.state_dict`.
   """
   first_rl_step: int
   last_step: int
   sft_steps: int
   max_staleness: int
   version: int
-  params: list
   pool_state: dict
 
 
 @dataclasses.dataclass
 class Params:
-  """Trainer -> sampler after update ``version``: every leaf of the params, on the host."""
+  """Trainer process -> sampler: its shards of the params of ``version`` (RL updates so far).
+
+  ``pieces``: ``(leaf index in jax.tree.leaves order, index: tuple of slices into the leaf,
+  host array)``, one per shard this process holds with replica id 0, so that over all trainer
+  processes each element of each leaf comes once.
+  """
   version: int
-  leaves: list
+  pieces: list
 
 
 @dataclasses.dataclass
@@ -103,85 +122,107 @@ def _authkey() -> bytes:
   return os.environ.get(ENV_KEY, "gigrl").encode()
 
 
-def _host_leaves(params: Any) -> list[np.ndarray]:
-  """Every leaf of ``params`` as a host array (the whole array, however it is sharded)."""
-  return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(params))]
+def _pieces(params: Any) -> list:
+  """This process's :class:`Params` pieces of ``params``: each addressable shard of each leaf
+  with replica id 0, read to the host (no collective)."""
+  return [(i, shard.index, np.asarray(shard.data))
+          for i, x in enumerate(jax.tree.leaves(params))
+          for shard in x.addressable_shards if shard.replica_id == 0]
+
+
+def assemble(pieces: Sequence[tuple[int, tuple, np.ndarray]], like: Sequence[Any]) -> list:
+  """Host leaves from the :class:`Params` pieces of every trainer process.
+
+  Args:
+    pieces: all processes' pieces of one version; like: leaves with the full shapes and dtypes.
+  Returns:
+    one numpy array per leaf of ``like``.
+  Raises:
+    RuntimeError: a leaf's pieces do not cover it exactly (a piece missing or sent twice).
+  """
+  out = [np.empty(x.shape, x.dtype) for x in like]
+  filled = [0] * len(out)
+  for i, index, data in pieces:
+    out[i][index] = data
+    filled[i] += data.size
+  bad = [i for i, (x, n) in enumerate(zip(out, filled)) if n != x.size]
+  if bad:
+    raise RuntimeError(f"the trainer's params pieces cover leaves {bad} "
+                       f"{[filled[i] for i in bad]} elements of {[out[i].size for i in bad]}")
+  return out
 
 
 # ------------------------------------------------------------------------------- the trainer
 def for_trainer(t, step: int, log: Callable[[str], None]):
   """The sampler of trainer ``t``'s RL steps from ``step`` on: a :class:`RemoteSampler` with
-  ``train.sampler_address``, else :func:`gigrl.training.overlap.for_trainer`.
+  ``train.sampler_address`` (this trainer process's connection), else
+  :func:`gigrl.training.overlap.for_trainer`.
 
   Raises:
-    ConfigError: naming ``train.sampler_address`` when the trainer runs on several processes,
-      or its port cannot be listened on.
-    SamplerError: no sampler process connected within :data:`CONNECT_TIMEOUT_S`.
+    SamplerError: no sampler process listened within :data:`CONNECT_TIMEOUT_S`.
   """
   cfg = t.cfg
   address = str(cfg.train.get("sampler_address", ""))
   if not address:
     return overlap.for_trainer(t, step, log)
-  if jax.process_count() > 1:
-    raise ConfigError("train.sampler_address", address, "'' when the trainer runs on several "
-                      "processes (a sampler process serves a one-process trainer for now)")
   sft = int(cfg.train.sft_steps)
   start = Start(first_rl_step=step, last_step=sft + int(cfg.train.num_steps), sft_steps=sft,
                 max_staleness=int(cfg.train.max_staleness), version=step - 1 - sft,
-                params=_host_leaves(t.state.params), pool_state=t.pool.state_dict())
-  return RemoteSampler(address, start, log)
+                pool_state=t.pool.state_dict())
+  return RemoteSampler(address, start, t.state.params, log)
+
+
+def _connect(address: str, timeout: float, log: Callable[[str], None], what: str):
+  """A connection to the sampler process listening at ``address``, retrying until it listens
+  (it does once its warm-up has compiled its rollout programs)."""
+  deadline, said = time.monotonic() + timeout, time.monotonic()
+  while True:
+    try:
+      return connection.Client(host_port("train.sampler_address", address), authkey=_authkey())
+    except OSError as e:
+      if time.monotonic() > deadline:
+        raise SamplerError(f"no sampler process listened at train.sampler_address={address} "
+                           f"within {timeout:.0f} s ({e}): start the same gigrl-train command "
+                           "with --sampler") from None
+      if time.monotonic() - said > 60:
+        log(f"{what}: waiting for the sampler process at {address} (the same gigrl-train "
+            "command with --sampler)")
+        said = time.monotonic()
+      time.sleep(0.5)
 
 
 class RemoteSampler:
-  """The trainer's end of the connection, with :class:`overlap.Sampler`'s interface
-  (:meth:`get`, :meth:`publish`, :meth:`paused`, :meth:`close`, ``k``).
+  """A trainer process's end of its connection to the sampler process, with
+  :class:`overlap.Sampler`'s interface (:meth:`get`, :meth:`publish`, :meth:`paused`,
+  :meth:`close`, ``k``).
 
   Args:
-    address: ``host:port`` to listen at; start: the :class:`Start` to send; log: a line logger.
-    timeout: seconds to wait for the sampler process to connect.
+    address: ``host:port`` the sampler listens at; start: the :class:`Start` (sent by process
+      0); params: the params RL starts from (version ``start.version``); log: a line logger.
+    timeout: seconds to wait for the sampler process to listen.
   """
 
-  def __init__(self, address: str, start: Start, log: Callable[[str], None],
+  def __init__(self, address: str, start: Start, params, log: Callable[[str], None],
                timeout: float = CONNECT_TIMEOUT_S):
     self.address, self.k = address, int(start.max_staleness)
     # the newest version a step samples with: the last step's
     self.last_version = max(0, start.last_step - 1 - start.sft_steps - self.k)
-    try:
-      self.listener = connection.Listener(host_port("train.sampler_address", address),
-                                          authkey=_authkey())
-    except OSError as e:
-      raise ConfigError("train.sampler_address", address,
-                        f"an address this host can listen at ({e})") from None
-    log(f"RL: waiting for the sampler process at {address} (the same gigrl-train command with "
-        "--sampler)")
-    got: list = []
-    accept = threading.Thread(target=lambda: got.append(self._accept()), daemon=True)
-    accept.start()
-    accept.join(timeout)
-    if not got or isinstance(got[0], BaseException):
-      self.listener.close()
-      why = f" ({got[0]})" if got else ""
-      raise SamplerError(f"no sampler process connected to train.sampler_address={address} "
-                         f"within {timeout:.0f} s{why}: start the same gigrl-train command with "
-                         "--sampler")
-    self.conn = got[0]
-    log(f"RL: sampler process connected at {address}")
-    self.conn.send(start)
+    self.conn = _connect(address, timeout, log, "RL")
+    log(f"RL: connected to the sampler process at {address}")
+    self.conn.send(Hello(jax.process_index(), jax.process_count()))
+    if jax.process_index() == 0:
+      self.conn.send(start)
     self.outbox: queue.Queue = queue.Queue()
     self.error: BaseException | None = None
     self.closed = False
     self.sender = threading.Thread(target=self._send_loop, name="gigrl-weights", daemon=True)
     self.sender.start()
-
-  def _accept(self):
-    try:
-      return self.listener.accept()
-    except BaseException as e:  # pylint: disable=broad-except
-      return e
+    # a device copy (the first update donates the trainer's buffers), read by the sender
+    self.outbox.put((int(start.version), state_lib.copy(params)))
 
   def _send_loop(self) -> None:
-    """Sends each published version (its device copy read to the host here, off the trainer's
-    thread), then ``None``."""
+    """Sends each published version (this process's shards of its device copy, read to the host
+    here, off the trainer's thread), then ``None``."""
     try:
       while True:
         item = self.outbox.get()
@@ -189,44 +230,44 @@ class RemoteSampler:
           self.conn.send(None)
           return
         version, params = item
-        self.conn.send(Params(version=version, leaves=_host_leaves(params)))
+        self.conn.send(Params(version=version, pieces=_pieces(params)))
     except BaseException as e:  # pylint: disable=broad-except
       self.error = e
-
-  def _lost(self, step: int) -> SamplerError:
-    return SamplerError(f"the sampler process at train.sampler_address={self.address} closed "
-                        f"the connection before RL step {step}: rerun both commands to resume "
-                        "from the last checkpoint")
 
   def get(self, step: int) -> tuple[overlap.Rollout, float]:
     """RL step ``step``'s rollout from the sampler process, and the seconds waited for it.
 
+    Every trainer process calls it for every step, and they agree (:func:`distributed.any_process`)
+    on whether all of them got it, so all raise at the same step or none does.
+
     Raises:
-      SamplerError: the sampler failed (its error named) or the connection was lost.
+      SamplerError: the sampler failed (its error named) or a connection was lost.
     """
     t0 = time.perf_counter()
+    msg, error = None, None
     try:
       msg = self.conn.recv()
     except (EOFError, OSError):
-      raise self._lost(step) from None
+      error = (f"the sampler process at train.sampler_address={self.address} closed the "
+               f"connection before RL step {step}: rerun both commands to resume from the last "
+               "checkpoint")
     if isinstance(msg, Failed):
-      raise SamplerError(f"the sampler process at train.sampler_address={self.address} "
-                         f"failed: {msg.message}")
-    if not isinstance(msg, overlap.Rollout) or msg.step != step:
-      raise RuntimeError(f"expected the rollout of RL step {step} from the sampler process, got "
-                         f"{type(msg).__name__} {getattr(msg, 'step', '')}")
+      error = (f"the sampler process at train.sampler_address={self.address} failed: "
+               f"{msg.message}")
+    elif msg is not None and (not isinstance(msg, overlap.Rollout) or msg.step != step):
+      error = (f"expected the rollout of RL step {step} from the sampler process at "
+               f"train.sampler_address={self.address}, got {type(msg).__name__} "
+               f"{getattr(msg, 'step', '')}")
+    if distributed.any_process(error is not None):
+      raise SamplerError(error or f"another trainer process lost the sampler process at "
+                         f"train.sampler_address={self.address} before RL step {step}")
     return msg, time.perf_counter() - t0
 
   def publish(self, params, version: int) -> None:
     """Queues update ``version``'s params for the sampler (a device copy now: the next update
-    donates the trainer's buffers; read to the host and sent by the sending thread).
-
-    Raises:
-      SamplerError: an earlier send failed (the connection was lost).
-    """
-    if self.error is not None:
-      raise self._lost(int(version) + 1)
-    if int(version) > self.last_version:     # no step is sampled with it
+    donates the trainer's buffers; read to the host and sent by the sending thread). A failed
+    send shows at the next :meth:`get` (the connection is gone)."""
+    if int(version) > self.last_version or self.error is not None:   # no step samples with it
       return
     self.outbox.put((int(version), state_lib.copy(params)))
 
@@ -242,7 +283,6 @@ class RemoteSampler:
     self.outbox.put(None)
     self.sender.join(timeout=60)
     self.conn.close()
-    self.listener.close()
 
 
 # ------------------------------------------------------------------------------- the sampler
@@ -275,88 +315,162 @@ class SamplerSide:
     return jax.tree.unflatten(jax.tree.structure(ref), jax.device_put(list(leaves), shardings))
 
 
-def _connect(address: str, timeout: float, log: Callable[[str], None]):
-  """Connects to the trainer at ``address``, retrying until it listens (it starts listening when
-  its RL starts: after its SFT steps and warm-up)."""
-  deadline, said = time.monotonic() + timeout, 0.0
-  while True:
-    try:
-      return connection.Client(host_port("train.sampler_address", address), authkey=_authkey())
-    except (ConnectionRefusedError, FileNotFoundError, OSError) as e:
-      if time.monotonic() > deadline:
-        raise SamplerError(f"no trainer listened at train.sampler_address={address} within "
-                           f"{timeout:.0f} s ({e}): start gigrl-train without --sampler") from None
-      if time.monotonic() - said > 60:
-        log(f"sampler: waiting for the trainer at {address}")
-        said = time.monotonic()
-      time.sleep(1.0)
+def _accept_trainer(address: str, timeout: float, log: Callable[[str], None]) -> list:
+  """Listens at ``address`` until every trainer process has connected: their connections,
+  in process order.
+
+  Raises:
+    ConfigError: naming ``train.sampler_address`` when this host cannot listen there.
+    SamplerError: not every trainer process connected within ``timeout`` seconds.
+  """
+  try:
+    listener = connection.Listener(host_port("train.sampler_address", address),
+                                   authkey=_authkey())
+  except OSError as e:
+    raise ConfigError("train.sampler_address", address,
+                      f"an address this host can listen at ({e})") from None
+  log(f"sampler: listening at {address} for the trainer (the same gigrl-train command without "
+      "--sampler)")
+  conns: dict[int, Any] = {}
+  count: list[int] = [1]
+
+  def accept() -> None:
+    while len(conns) < count[0]:
+      conn = listener.accept()
+      hello = conn.recv()
+      count[0] = int(hello.process_count)
+      conns[int(hello.process_index)] = conn
+
+  got: list = []
+  thread = threading.Thread(target=lambda: got.append(_call(accept)), daemon=True)
+  thread.start()
+  thread.join(timeout)
+  listener.close()
+  if thread.is_alive() or got[0] is not None:
+    why = f" ({got[0]})" if got and got[0] is not None else ""
+    raise SamplerError(f"{len(conns)} of {count[0]} trainer processes connected to "
+                       f"train.sampler_address={address} within {timeout:.0f} s{why}: start "
+                       "the same gigrl-train command without --sampler")
+  log(f"sampler: {count[0]} trainer process(es) connected")
+  return [conns[i] for i in range(count[0])]
+
+
+def _call(fn: Callable[[], None]) -> BaseException | None:
+  try:
+    fn()
+    return None
+  except BaseException as e:  # pylint: disable=broad-except
+    return e
+
+
+class _Versions:
+  """The sampler's receiving side: each trainer process's :class:`Params` pieces, a version
+  published to ``publish(leaves, version)`` once every process's have arrived."""
+
+  def __init__(self, count: int, like: Sequence[Any], publish: Callable[[list, int], None]):
+    self.count, self.like, self.publish = count, like, publish
+    self.pieces: dict[int, list] = {}
+    self.arrived: dict[int, int] = {}
+    self.lock = threading.Lock()
+
+  def add(self, msg: Params) -> None:
+    with self.lock:
+      v = int(msg.version)
+      self.pieces.setdefault(v, []).extend(msg.pieces)
+      self.arrived[v] = self.arrived.get(v, 0) + 1
+      if self.arrived[v] < self.count:
+        return
+      pieces = self.pieces.pop(v)
+      del self.arrived[v]
+    self.publish(assemble(pieces, self.like), v)
 
 
 def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
           log: Callable[[str], None], timeout: float = CONNECT_TIMEOUT_S) -> int:
-  """``gigrl-train --sampler``: builds the sampler, compiles its rollout programs, connects to
-  the trainer at ``train.sampler_address`` and samples the RL steps it is sent, until the
-  trainer stops it or its last step is sent.
+  """``gigrl-train --sampler``: builds the sampler, compiles its rollout programs, listens at
+  ``train.sampler_address`` for the trainer's processes and samples the RL steps they start,
+  until they stop it or its last step is sent.
 
   Returns:
     the number of rollouts sent.
   Raises:
     ConfigError: no ``train.sampler_address`` (or ``train.max_staleness = 0``: the config's own
-      check). SamplerError: the trainer did not listen within ``timeout`` seconds.
+      check), or this sampler on several processes. SamplerError: the trainer did not connect
+      within ``timeout`` seconds.
   """
   address = str(cfg.train.get("sampler_address", ""))
   if not address:
-    raise ConfigError("train.sampler_address", address, "host:port of the trainer (gigrl-train "
-                      "--sampler samples for a trainer that listens there)")
+    raise ConfigError("train.sampler_address", address, "host:port for the sampler process to "
+                      "listen at (the trainer connects there)")
+  if jax.process_count() > 1:
+    raise ConfigError("train.sampler_address", address, "a sampler of one process (gigrl-train "
+                      "--sampler runs on several processes: not supported yet)")
   side = SamplerSide(cfg, epath.Path(workdir) / "sampler", log)
   warmup.warm_up_sampler(side, side.eval_questions, log)
-  conn = _connect(address, timeout, log)
+  conns = _accept_trainer(address, timeout, log)
   sent = 0
   try:
     try:
-      start = conn.recv()
+      start = conns[0].recv()
+      first = [c.recv() for c in conns]       # every process's shards of the start params
     except (EOFError, OSError):
-      raise SamplerError(f"the trainer at {address} closed the connection") from None
+      raise SamplerError(f"the trainer closed its connection to train.sampler_address={address} "
+                         "before RL started") from None
     side.pool.load_state_dict(start.pool_state)
+    like = jax.tree.leaves(side.policy.params)
     sampler = overlap.Sampler(
         lambda s, params, v: overlap.sample_step(side, s, params, v, log),
         max_staleness=start.max_staleness, first_rl_step=start.first_rl_step,
-        last_step=start.last_step, sft_steps=start.sft_steps, params=start.params,
-        version=start.version, copy=side.put)
+        last_step=start.last_step, sft_steps=start.sft_steps,
+        params=assemble([p for msg in first for p in msg.pieces], like), version=start.version,
+        copy=side.put)
     log(f"sampler: RL steps {start.first_rl_step}-{start.last_step} from version "
         f"{start.version}, k = {start.max_staleness}")
+    versions = _Versions(len(conns), like, sampler.publish)
+    errors: list[BaseException] = []
 
-    def receive() -> None:       # the weights, put on this process's devices as they come
+    def receive(conn) -> None:   # the weights, put on this process's devices as they come
       try:
         while (msg := conn.recv()) is not None:
-          sampler.publish(msg.leaves, msg.version)
+          versions.add(msg)
       except (EOFError, OSError):
         pass
-      sampler.stop()            # the trainer is done (or gone): stop after the current step
+      except BaseException as e:  # pylint: disable=broad-except
+        errors.append(e)          # raised by the sampling loop, which tells the trainer
+      sampler.stop()   # a trainer process is done (or gone): stop after the current step
 
-    receiver = threading.Thread(target=receive, name="gigrl-weights", daemon=True)
-    receiver.start()
+    receivers = [threading.Thread(target=receive, args=(c,), name=f"gigrl-weights-{i}",
+                                  daemon=True) for i, c in enumerate(conns)]
+    for th in receivers:
+      th.start()
     failed = True
     try:
       for step in range(start.first_rl_step, start.last_step + 1):
         try:
           r, _ = sampler.get(step)
         except overlap.Stopped:
+          if errors:
+            raise errors[0] from None
           break
-        conn.send(r)
+        data = pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL)     # once, for every process
+        for c in conns:
+          c.send_bytes(data)
         sent += 1
         log(f"sampler: step {step} sampled by version {r.version} in {r.t_roll:.1f} s "
             f"(waited {r.idle_s:.1f} s for it)")
       failed = False
     except BaseException as e:
-      with contextlib.suppress(Exception):
-        conn.send(Failed(f"{type(e).__name__}: {e}"))
+      for c in conns:
+        with contextlib.suppress(Exception):
+          c.send(Failed(f"{type(e).__name__}: {e}"))
       raise
     finally:
       sampler.close()
-      # until the trainer says stop: closing first (with its weights unread) would reset the
-      # connection and drop the rollouts the trainer has not read yet
-      receiver.join(None if not failed else 60)
+      # until every trainer process says stop: closing first (with its weights unread) would
+      # reset the connection and drop the rollouts it has not read yet
+      for th in receivers:
+        th.join(None if not failed else 60)
   finally:
-    conn.close()
+    for c in conns:
+      c.close()
   return sent
