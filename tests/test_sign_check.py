@@ -30,6 +30,10 @@ The margin over 5 seeds (issue #51; ``GIGRL_SIGN_CHECK_SEED=s``, jax 0.10.2 and 
 constraints.txt, 8 simulated devices, 2026-11-27): the training batch's "after RL" minus "after RL
 with negated advantages" reads +0.0355, +0.3608, +0.0307, +0.0510 and +0.0331 nats for seeds 0-4
 (after SFT -0.0306, -0.0198, -0.0227, -0.0291, -0.0714). The smallest, +0.031, is 3x MARGIN.
+
+The same comparison across processes (issue #52): the RL at ``train.max_staleness = 1`` run by a
+trainer process and a sampler process (``train.sampler_address``) ends above the one-process run
+with negated advantages; its 5-seed spread is in its docstring.
 """
 from __future__ import annotations
 
@@ -55,6 +59,7 @@ from gigrl.rollout import demos as demos_lib
 from gigrl.rollout import trajectory as traj_lib
 
 SFT_STEPS, RL_STEPS = 60, 6
+PAIR_RL_STEPS = 8   # the sampler-process pair at k = 1: 6 steps left seed 0 1.4x MARGIN apart
 MARGIN = 0.01     # nats per answer token
 
 
@@ -122,8 +127,8 @@ def warm_start(tmp_path_factory):
   return workdir, batches, {k: answer_logprob(sft, *b) for k, b in batches.items()}
 
 
-def run_rl(warm_start, workdir, *extra: str,
-           flip: bool = False) -> tuple[dict[str, float], list[float]]:
+def run_rl(warm_start, workdir, *extra: str, flip: bool = False,
+           rl_steps: int = RL_STEPS) -> tuple[dict[str, float], list[float]]:
   """RL from a copy of the warm-start (``extra``: more ``--config.`` fields): (log-prob after
   RL, reward_mean per step). ``flip`` negates the token advantages
   (``batch_lib.token_advantages``) for this run only."""
@@ -133,7 +138,7 @@ def run_rl(warm_start, workdir, *extra: str,
   if flip:
     batch_lib.token_advantages = lambda a, s: -real(a, s)
   try:
-    rl = trainer_lib.Trainer(_config(RL_STEPS, *extra), workdir)     # resumes at the end of SFT
+    rl = trainer_lib.Trainer(_config(rl_steps, *extra), workdir)     # resumes at the end of SFT
     rl.run()
   finally:
     batch_lib.token_advantages = real
@@ -178,31 +183,43 @@ ASYNC = ("train.max_staleness=1", "loss.off_policy_correction=tis")
 @pytest.mark.slow
 def test_a_sampler_process_pair_learns_the_training_questions(warm_start, tmp_path):
   """Issue #52's "2 processes (1 sampler + 1 trainer) learn the tiny task": the same RL at
-  ``train.max_staleness = 1``, once as a trainer process and a sampler process joined by
-  ``train.sampler_address`` and once in this process with the advantages negated. The pair ends
-  with the higher answer log-prob on its training questions (the sign test above, across
-  processes and one version stale), and earns reward from answers it generates. A pair whose
-  sampler never received the trainer's weights would sample every step from the warm start and
-  still pass; that is ruled out by ``test_async.py``'s pair, whose every metric equals the
-  one-process run's."""
+  ``train.max_staleness = 1`` (8 steps), once as a trainer process and a sampler process joined
+  by ``train.sampler_address`` and once in this process with the advantages negated. The pair
+  ends with the higher answer log-prob on its training questions (the sign test above, across
+  processes and one version stale), and earns reward from answers it generates.
+
+  The margin over 5 seeds (``GIGRL_SIGN_CHECK_SEED=s``, jax 0.10.2 and the rest of
+  constraints.txt, 8 simulated devices, 2026-11-27): "after RL" minus "negated" on the training
+  batch reads +0.0211, +0.2210, +0.1153, +0.1128 and +0.0444 nats for seeds 0-4; the smallest is
+  2.1x MARGIN (with 6 steps: +0.0137, +0.1499, +0.0535, +0.0629, +0.0423, the smallest 1.4x).
+  With the advantages negated in the source for both runs the two swap and the test fails.
+
+  A pair whose sampler never received the trainer's weights would sample every step from the
+  warm start and might still pass; that is ruled out by ``test_async.py``'s pair, whose every
+  metric equals the one-process run's.
+  """
   sft_dir, batches, before = warm_start
-  flipped, _ = run_rl(warm_start, tmp_path / "flipped", *ASYNC, flip=True)
+  flipped, _ = run_rl(warm_start, tmp_path / "flipped", *ASYNC, flip=True,
+                      rl_steps=PAIR_RL_STEPS)
   work = tmp_path / "pair"
   shutil.copytree(sft_dir, work)
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
-  flags = [f"--config.{o}" for o in (*_overrides(RL_STEPS), *ASYNC,
+  flags = [f"--config.{o}" for o in (*_overrides(PAIR_RL_STEPS), *ASYNC,
                                       f"train.sampler_address=localhost:{port}")]
   cmd = testing.train_command(work, *flags, config="configs/base.py")
-  procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            cwd=testing.REPO) for c in (cmd, [*cmd, "--sampler"])]
-  for p in procs:     # this process's environment: the same 8 simulated devices
-    err = p.communicate(timeout=900)[1]
-    assert p.returncode == 0, err[-4000:]
-  pair = trainer_lib.Trainer(_config(RL_STEPS, *ASYNC), work)
+  logs = [tmp_path / "trainer.log", tmp_path / "sampler.log"]   # files: a full pipe would stall
+  procs = []
+  for c, log in zip((cmd, [*cmd, "--sampler"]), logs):   # this process's env: 8 simulated devices
+    with open(log, "w") as f:
+      procs.append(subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=f, cwd=testing.REPO))
+  for p, log in zip(procs, logs):
+    p.wait(timeout=900)
+    assert p.returncode == 0, log.read_text()[-4000:]
+  pair = trainer_lib.Trainer(_config(PAIR_RL_STEPS, *ASYNC), work)
   pair.state = pair.checkpoints.restore(pair.state)
-  assert pair.state.step == SFT_STEPS + RL_STEPS
+  assert pair.state.step == SFT_STEPS + PAIR_RL_STEPS
   after = {k: answer_logprob(pair, *b) for k, b in batches.items()}
   rewards = _rewards(work)
   for k in before:
