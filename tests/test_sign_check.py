@@ -192,7 +192,8 @@ def test_a_sampler_process_pair_learns_the_training_questions(warm_start, tmp_pa
   constraints.txt, 8 simulated devices, 2026-11-27): "after RL" minus "negated" on the training
   batch reads +0.0211, +0.2210, +0.1153, +0.1128 and +0.0444 nats for seeds 0-4; the smallest is
   2.1x MARGIN (with 6 steps: +0.0137, +0.1499, +0.0535, +0.0629, +0.0423, the smallest 1.4x).
-  With the advantages negated in the source for both runs the two swap and the test fails.
+  With the advantages negated in the source for both runs the two swap exactly and the test fails
+  (seed 0: -0.0604 against -0.0393).
 
   A pair whose sampler never received the trainer's weights would sample every step from the
   warm start and might still pass; that is ruled out by ``test_async.py``'s pair, whose every
