@@ -88,8 +88,8 @@ def train(cfg: ml_collections.ConfigDict, workdir: str) -> RunResult:
 
 
 def sample(cfg: ml_collections.ConfigDict, workdir: str) -> int:
-  """``gigrl-train --sampler``: the sampler process of the trainer that listens at
-  ``train.sampler_address`` (:func:`gigrl.training.sampler_process.serve`; the same config).
+  """``gigrl-train --sampler``: the sampler process, listening at ``train.sampler_address`` for
+  the trainer's processes (:func:`gigrl.training.sampler_process.serve`; the same config).
 
   Returns:
     the number of RL steps' rollouts sent.
