@@ -9,6 +9,7 @@ metric for metric, and a killed sampler process loses nothing.
 """
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -210,12 +211,12 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _start_pair(work, port, *, processes: int = 0, devices: int = 1):
+def _start_pair(work, port, *extra: str, processes: int = 0, devices: int = 1):
   """The trainer and its sampler process (``train.sampler_address``), all started: the trainer
   on one process (``processes = 0``) or on ``processes`` joined by ``jax.distributed`` (gloo),
   each with ``devices`` CPU devices, the sampler on one. Returns the trainer processes, then the
   sampler."""
-  args = [*_async(1), f"--config.train.sampler_address=localhost:{port}"]
+  args = [*_async(1), f"--config.train.sampler_address=localhost:{port}", *extra]
   flags = {} if devices == 1 else {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
   envs = [_env(**flags)] if not processes else [
       _env(**flags, GIGRL_COORDINATOR=f"127.0.0.1:{_free_port()}",
@@ -254,14 +255,36 @@ def test_a_sampler_process_runs_the_thread_schedule(tmp_path, k1_run):
   stale and the run learns as that one does; neither process compiles inside a step."""
   work = tmp_path / "pair"
   _finish(*_start_pair(work, _free_port()))
-  ref, got = _rl(k1_run), _rl(work)
+  got = _rl(work)
+  _same_metrics(_rl(k1_run), got)
+  assert [r["async/staleness_max"] for r in got] == [0, 1, 1, 1, 1, 1]
+
+
+def _same_metrics(ref, got):
+  """Every metric of every RL step equal (timings aside), and no compile inside a step."""
   assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(4, 10))
   for a, b in zip(ref, got):
     keys = {k for k in a.keys() | b.keys() if not k.startswith("time/")
             and not k.endswith(("_s", "tokens_per_s"))}
     assert {k: b.get(k) for k in keys} == {k: a.get(k) for k in keys}, a["step"]
     assert b["time/rollout_compile_s"] == 0 and b["time/update_compile_s"] == 0
-  assert [r["async/staleness_max"] for r in got] == [0, 1, 1, 1, 1, 1]
+
+
+@pytest.mark.slow
+def test_a_lora_sampler_process_is_sent_the_adapters_only(tmp_path):
+  """With ``model.lora`` the sampler process is sent the whole params once (the start version)
+  and after each update only the adapters (the base is frozen, kept on its devices): every
+  metric equals the one-process k = 1 LoRA run's, and its log shows each later version carrying
+  the adapter leaves only."""
+  lora = ["--config.model.lora.rank=4"]
+  _run(tmp_path / "thread", *_async(1), *lora)
+  *procs, sampler = _start_pair(tmp_path / "pair", _free_port(), *lora)
+  _finish(*procs, sampler)
+  _same_metrics(_rl(tmp_path / "thread"), _rl(tmp_path / "pair"))
+  received = re.findall(r"version (\d+) received \((\d+) of (\d+) leaves", _stderr(sampler))
+  assert [int(v) for v, _, _ in received] == list(range(5)), received
+  (_, n0, total), *later = received
+  assert n0 == total and later and all(0 < int(n) < int(total) for _, n, _ in later), received
 
 
 @pytest.mark.slow
@@ -364,3 +387,25 @@ def test_params_pieces_assemble_to_the_trainer_params():
   np.testing.assert_array_equal(got[1], b)
   with pytest.raises(RuntimeError, match="cover leaves"):
     sampler_process.assemble(pieces[1:], jax.tree.leaves(params))
+  # an update's version with LoRA: the trained leaves only
+  only_b = sampler_process._pieces(params, [1])  # pylint: disable=protected-access
+  got = sampler_process.assemble(only_b, jax.tree.leaves(params), [1])
+  assert list(got) == [1]
+  np.testing.assert_array_equal(got[1], b)
+
+
+def test_with_lora_only_the_adapters_are_trained_leaves():
+  """``trained_leaves``: with LoRA, the adapter leaves (A and B of each target), which an update
+  changes and the sampler is sent after the start; without LoRA, None (every leaf)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from gigrl import config as config_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.training import build  # pylint: disable=import-outside-toplevel
+  from gigrl.training import sampler_process  # pylint: disable=import-outside-toplevel
+  cfg = config_lib.base_config()
+  cfg.model.preset, cfg.model.lora.rank = "tiny", 4
+  params = build.build_policy(cfg, 512, None).params
+  names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  got = sampler_process.trained_leaves(params, True)
+  assert got and all("_lora_" in names[i] for i in got)
+  assert not any("_lora_" in n for i, n in enumerate(names) if i not in got)
+  assert sampler_process.trained_leaves(params, False) is None

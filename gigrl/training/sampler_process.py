@@ -62,6 +62,7 @@ from etils import epath
 from gigrl import distributed
 from gigrl import search as search_lib
 from gigrl.config_utils import ConfigError, UserError, host_port
+from gigrl.models import lora as lora_lib
 from gigrl.training import build
 from gigrl.training import evaluate as evaluate_lib
 from gigrl.training import overlap
@@ -106,10 +107,13 @@ class Params:
 
   ``pieces``: ``(leaf index in jax.tree.leaves order, index: tuple of slices into the leaf,
   host array)``, one per shard this process holds with replica id 0, so that over all trainer
-  processes each element of each leaf comes once.
+  processes each element of each leaf comes once. ``leaves``: the leaf indices the pieces cover,
+  None = all (the start params, or a full fine-tune); with ``model.lora`` an update's version
+  carries the adapters only, the frozen base being the start's.
   """
   version: int
   pieces: list
+  leaves: list | None = None
 
 
 @dataclasses.dataclass
@@ -122,30 +126,45 @@ def _authkey() -> bytes:
   return os.environ.get(ENV_KEY, "gigrl").encode()
 
 
-def _pieces(params: Any) -> list:
-  """This process's :class:`Params` pieces of ``params``: each addressable shard of each leaf
-  with replica id 0, read to the host (no collective)."""
+def _pieces(params: Any, leaves: Sequence[int] | None = None) -> list:
+  """This process's :class:`Params` pieces of ``params`` (of the leaf indices ``leaves``, None =
+  all): each addressable shard with replica id 0, read to the host (no collective)."""
+  keep = None if leaves is None else set(leaves)
   return [(i, shard.index, np.asarray(shard.data))
-          for i, x in enumerate(jax.tree.leaves(params))
+          for i, x in enumerate(jax.tree.leaves(params)) if keep is None or i in keep
           for shard in x.addressable_shards if shard.replica_id == 0]
 
 
-def assemble(pieces: Sequence[tuple[int, tuple, np.ndarray]], like: Sequence[Any]) -> list:
+def trained_leaves(params: Any, lora: bool) -> list[int] | None:
+  """The indices (``jax.tree.leaves`` order) of the leaves an update changes: the LoRA adapters
+  with ``lora``, else None (every leaf)."""
+  if not lora:
+    return None
+  trained, _ = lora_lib.split_trainable(params, True)
+  keys = {jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(trained)[0]}
+  return [i for i, (k, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0])
+          if jax.tree_util.keystr(k) in keys]
+
+
+def assemble(pieces: Sequence[tuple[int, tuple, np.ndarray]], like: Sequence[Any],
+             leaves: Sequence[int] | None = None) -> dict[int, np.ndarray]:
   """Host leaves from the :class:`Params` pieces of every trainer process.
 
   Args:
-    pieces: all processes' pieces of one version; like: leaves with the full shapes and dtypes.
+    pieces: all processes' pieces of one version; like: leaves with the full shapes and dtypes;
+      leaves: the leaf indices the pieces cover (None = all of ``like``).
   Returns:
-    one numpy array per leaf of ``like``.
+    ``{leaf index: numpy array}`` for those leaves.
   Raises:
     RuntimeError: a leaf's pieces do not cover it exactly (a piece missing or sent twice).
   """
-  out = [np.empty(x.shape, x.dtype) for x in like]
-  filled = [0] * len(out)
+  idx = range(len(like)) if leaves is None else leaves
+  out = {i: np.empty(like[i].shape, like[i].dtype) for i in idx}
+  filled = dict.fromkeys(out, 0)
   for i, index, data in pieces:
     out[i][index] = data
     filled[i] += data.size
-  bad = [i for i, (x, n) in enumerate(zip(out, filled)) if n != x.size]
+  bad = [i for i, x in out.items() if filled[i] != x.size]
   if bad:
     raise RuntimeError(f"the trainer's params pieces cover leaves {bad} "
                        f"{[filled[i] for i in bad]} elements of {[out[i].size for i in bad]}")
@@ -169,7 +188,8 @@ def for_trainer(t, step: int, log: Callable[[str], None]):
   start = Start(first_rl_step=step, last_step=sft + int(cfg.train.num_steps), sft_steps=sft,
                 max_staleness=int(cfg.train.max_staleness), version=step - 1 - sft,
                 pool_state=t.pool.state_dict())
-  return RemoteSampler(address, start, t.state.params, log)
+  return RemoteSampler(address, start, t.state.params, log,
+                       trained=trained_leaves(t.state.params, t.policy.lora.enabled))
 
 
 def _connect(address: str, timeout: float, log: Callable[[str], None], what: str):
@@ -199,12 +219,13 @@ class RemoteSampler:
   Args:
     address: ``host:port`` the sampler listens at; start: the :class:`Start` (sent by process
       0); params: the params RL starts from (version ``start.version``); log: a line logger.
+    trained: :func:`trained_leaves`: the leaves sent after each update (None = all).
     timeout: seconds to wait for the sampler process to listen.
   """
 
-  def __init__(self, address: str, start: Start, params, log: Callable[[str], None],
-               timeout: float = CONNECT_TIMEOUT_S):
-    self.address, self.k = address, int(start.max_staleness)
+  def __init__(self, address: str, start: Start, params, log: Callable[[str], None], *,
+               trained: list[int] | None = None, timeout: float = CONNECT_TIMEOUT_S):
+    self.address, self.k, self.trained = address, int(start.max_staleness), trained
     # the newest version a step samples with: the last step's
     self.last_version = max(0, start.last_step - 1 - start.sft_steps - self.k)
     self.conn = _connect(address, timeout, log, "RL")
@@ -222,7 +243,9 @@ class RemoteSampler:
 
   def _send_loop(self) -> None:
     """Sends each published version (this process's shards of its device copy, read to the host
-    here, off the trainer's thread), then ``None``."""
+    here, off the trainer's thread: the start params whole, then the ``trained`` leaves), then
+    ``None``."""
+    leaves = None
     try:
       while True:
         item = self.outbox.get()
@@ -230,7 +253,8 @@ class RemoteSampler:
           self.conn.send(None)
           return
         version, params = item
-        self.conn.send(Params(version=version, pieces=_pieces(params)))
+        self.conn.send(Params(version=version, pieces=_pieces(params, leaves), leaves=leaves))
+        leaves = self.trained
     except BaseException as e:  # pylint: disable=broad-except
       self.error = e
 
@@ -306,13 +330,23 @@ class SamplerSide:
     self.rl_questions = build.rl_questions(cfg.train, data.train, cfg.seed)
     self.pool = build.query_pool(cfg, len(self.rl_questions))
     self.eval_questions = evaluate_lib.select(data.eval, cfg.train.eval_questions)
+    self.device_leaves: list | None = None    # the last params put, by leaf (:meth:`put`)
 
-  def put(self, leaves: list) -> Any:
-    """Host leaves (:class:`Params`) -> params on this process's devices, in the training
-    layout (:func:`overlap.sample_step` turns them into the rollout's)."""
-    ref = self.policy.params
-    shardings = [x.sharding for x in jax.tree.leaves(ref)]
-    return jax.tree.unflatten(jax.tree.structure(ref), jax.device_put(list(leaves), shardings))
+  def put(self, leaves: dict[int, np.ndarray]) -> Any:
+    """Host leaves (:func:`assemble`'s, by leaf index) -> params on this process's devices, in
+    the training layout (:func:`overlap.sample_step` turns them into the rollout's). A leaf not
+    given is the last one put (with ``model.lora``: the frozen base, put once)."""
+    ref = jax.tree.leaves(self.policy.params)
+    idx = sorted(leaves)
+    put = jax.device_put([leaves[i] for i in idx], [ref[i].sharding for i in idx])
+    if self.device_leaves is None:
+      if idx != list(range(len(ref))):
+        raise RuntimeError(f"the first params put covers leaves {idx}, not all {len(ref)}")
+      self.device_leaves = [None] * len(ref)
+    self.device_leaves = list(self.device_leaves)
+    for i, x in zip(idx, put):
+      self.device_leaves[i] = x
+    return jax.tree.unflatten(jax.tree.structure(self.policy.params), self.device_leaves)
 
 
 def _accept_trainer(address: str, timeout: float, log: Callable[[str], None]) -> list:
@@ -367,22 +401,26 @@ class _Versions:
   """The sampler's receiving side: each trainer process's :class:`Params` pieces, a version
   published to ``publish(leaves, version)`` once every process's have arrived."""
 
-  def __init__(self, count: int, like: Sequence[Any], publish: Callable[[list, int], None]):
-    self.count, self.like, self.publish = count, like, publish
+  def __init__(self, count: int, like: Sequence[Any], publish: Callable[[dict, int], None],
+               log: Callable[[str], None]):
+    self.count, self.like, self.publish, self.log = count, like, publish, log
     self.pieces: dict[int, list] = {}
     self.arrived: dict[int, int] = {}
     self.lock = threading.Lock()
 
   def add(self, msg: Params) -> None:
     with self.lock:
-      v = int(msg.version)
+      v, leaves = int(msg.version), msg.leaves
       self.pieces.setdefault(v, []).extend(msg.pieces)
       self.arrived[v] = self.arrived.get(v, 0) + 1
       if self.arrived[v] < self.count:
         return
       pieces = self.pieces.pop(v)
       del self.arrived[v]
-    self.publish(assemble(pieces, self.like), v)
+    got = assemble(pieces, self.like, leaves)
+    self.log(f"sampler: version {v} received ({len(got)} of {len(self.like)} leaves, "
+             f"{sum(x.nbytes for x in got.values()) / 2**20:.1f} MiB)")
+    self.publish(got, v)
 
 
 def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
@@ -418,15 +456,17 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
                          "before RL started") from None
     side.pool.load_state_dict(start.pool_state)
     like = jax.tree.leaves(side.policy.params)
+    params = assemble([p for msg in first for p in msg.pieces], like)
+    log(f"sampler: version {start.version} received ({len(params)} of {len(like)} leaves, "
+        f"{sum(x.nbytes for x in params.values()) / 2**20:.1f} MiB)")
     sampler = overlap.Sampler(
         lambda s, params, v: overlap.sample_step(side, s, params, v, log),
         max_staleness=start.max_staleness, first_rl_step=start.first_rl_step,
-        last_step=start.last_step, sft_steps=start.sft_steps,
-        params=assemble([p for msg in first for p in msg.pieces], like), version=start.version,
-        copy=side.put)
+        last_step=start.last_step, sft_steps=start.sft_steps, params=params,
+        version=start.version, copy=side.put)
     log(f"sampler: RL steps {start.first_rl_step}-{start.last_step} from version "
         f"{start.version}, k = {start.max_staleness}")
-    versions = _Versions(len(conns), like, sampler.publish)
+    versions = _Versions(len(conns), like, sampler.publish, log)
     errors: list[BaseException] = []
 
     def receive(conn) -> None:   # the weights, put on this process's devices as they come
