@@ -311,32 +311,35 @@ def test_a_trainer_on_two_processes_with_a_sampler_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("processes", [0, 2])
-def test_a_killed_sampler_process_loses_nothing(tmp_path, processes):
-  """SIGKILL the sampler process once the trainer has checkpointed step 6: the trainer (one
-  process, or 2 that agree on it) checkpoints the last step it trained and stops with one line
-  naming ``train.sampler_address`` (exit 2, no traceback); rerunning both finishes every step
-  once, and the queries the pool consumed are exactly those the steps accepted (none trained
-  twice, none lost in flight). The trainer processes' per-step agreement also covers a rollout
-  that reached one of them and not the other; this kill does not force that race."""
+@pytest.mark.parametrize("killed,processes", [("sampler", 0), ("sampler", 2), ("trainer", 0)])
+def test_a_killed_process_loses_nothing(tmp_path, killed, processes):
+  """SIGKILL the sampler process (or the trainer) once the trainer has checkpointed step 6: the
+  other side stops with one line naming ``train.sampler_address`` (exit 2, no traceback), the
+  trainer (one process, or 2 that agree on it) having checkpointed the last step it trained;
+  rerunning both finishes every step once, and the queries the pool consumed are exactly those
+  the steps accepted (none trained twice, none lost in flight). The trainer processes' per-step
+  agreement also covers a rollout that reached one of them and not the other; this kill does not
+  force that race."""
   work = tmp_path / "killed"
   *trainers, sampler = _start_pair(work, _free_port(), processes=processes)
   deadline, ckpt = time.time() + 600, work / "checkpoints" / "6"
   while not ckpt.exists() and trainers[0].poll() is None and time.time() < deadline:
     time.sleep(0.05)
-  sampler.send_signal(signal.SIGKILL)
-  sampler.wait()
-  for trainer in trainers:
-    trainer.wait(timeout=600)
-    err = _stderr(trainer)
+  victim, others = (sampler, trainers) if killed == "sampler" else (trainers[0], [sampler])
+  victim.send_signal(signal.SIGKILL)
+  victim.wait()
+  for proc in others:
+    proc.wait(timeout=600)
+    err = _stderr(proc)
     assert ckpt.exists(), err[-4000:]
-    assert trainer.returncode == 2, err[-4000:]
+    assert proc.returncode == 2, err[-4000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith("gigrl-train: error:") and "train.sampler_address" in last, last
     assert "Traceback" not in err
   # the steps trained before the loss are kept: the last one is checkpointed
   trained = max(r["step"] for r in _rl(work))
-  assert max(int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit()) == trained
+  last_ckpt = max(int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit())
+  assert last_ckpt == trained if killed == "sampler" else last_ckpt <= trained
   _finish(*_start_pair(work, _free_port(), processes=processes))
   rl = _rl(work)
   assert [r["step"] for r in rl] == list(range(4, 10))
@@ -372,7 +375,8 @@ def test_params_pieces_assemble_to_the_trainer_params():
   2-process trainer's two halves would arrive; a missing piece is an error, not zeros."""
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  from jax.sharding import Mesh, NamedSharding  # pylint: disable=import-outside-toplevel
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
   from gigrl.training import sampler_process  # pylint: disable=import-outside-toplevel
   mesh = Mesh(np.array(jax.devices()), ("fsdp",))
   a = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)

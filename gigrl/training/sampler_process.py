@@ -469,17 +469,20 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
     versions = _Versions(len(conns), like, sampler.publish, log)
     errors: list[BaseException] = []
 
-    def receive(conn) -> None:   # the weights, put on this process's devices as they come
+    def receive(conn, i: int) -> None:   # the weights, put on this process's devices as they come
       try:
         while (msg := conn.recv()) is not None:
           versions.add(msg)
-      except (EOFError, OSError):
-        pass
+      except (EOFError, OSError):     # gone without saying stop: killed, or lost
+        errors.append(SamplerError(
+            f"trainer process {i} closed its connection to train.sampler_address={address} "
+            "without stopping the sampler: rerun both commands to resume from the trainer's "
+            "last checkpoint"))
       except BaseException as e:  # pylint: disable=broad-except
         errors.append(e)          # raised by the sampling loop, which tells the trainer
       sampler.stop()   # a trainer process is done (or gone): stop after the current step
 
-    receivers = [threading.Thread(target=receive, args=(c,), name=f"gigrl-weights-{i}",
+    receivers = [threading.Thread(target=receive, args=(c, i), name=f"gigrl-weights-{i}",
                                   daemon=True) for i, c in enumerate(conns)]
     for th in receivers:
       th.start()
@@ -493,8 +496,14 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
             raise errors[0] from None
           break
         data = pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL)     # once, for every process
-        for c in conns:
-          c.send_bytes(data)
+        for i, c in enumerate(conns):
+          try:
+            c.send_bytes(data)
+          except OSError:
+            raise SamplerError(
+                f"trainer process {i} closed its connection to train.sampler_address={address} "
+                f"before RL step {step}: rerun both commands to resume from the trainer's last "
+                "checkpoint") from None
         sent += 1
         log(f"sampler: step {step} sampled by version {r.version} in {r.t_roll:.1f} s "
             f"(waited {r.idle_s:.1f} s for it)")
