@@ -5,7 +5,8 @@ keeps no sampler thread and its metrics are those of the synchronous loop; with 
 every row is exactly min(k, versions so far) stale; a run killed while rollouts are in flight
 resumes and trains every accepted query once, none lost. The sampler in a process of its own
 (``train.sampler_address``, gigrl.training.sampler_process) reproduces the one-process k = 1 run
-metric for metric, and a killed sampler process loses nothing.
+metric for metric (with LoRA too, sent the adapters only), serves a trainer on 2 processes as
+one on 1 process x 2 devices, and a killed sampler or trainer process loses nothing.
 """
 import json
 import os
