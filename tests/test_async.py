@@ -8,6 +8,7 @@ resumes and trains every accepted query once, none lost. The sampler in a proces
 metric for metric (with LoRA too, sent the adapters only), serves a trainer on 2 processes as
 one on 1 process x 2 devices, and a killed sampler or trainer process loses nothing.
 """
+import importlib.util
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import subprocess
 import threading
 import time
 
+import jax
 import pytest
 
 from gigrl import testing
@@ -133,6 +135,52 @@ def _async(k):
 
 
 @pytest.fixture(scope="module")
+def k0_run(tmp_path_factory):
+  """A k = 0 run (the default)."""
+  work = tmp_path_factory.mktemp("k0") / "run"
+  _run(work)
+  return work
+
+
+PINNED_K0 = os.path.join(ROOT, "tests", "pinned", "async_k0_before_b8caa78.json")
+
+
+@pytest.mark.slow
+def test_k0_is_the_loop_before_async(k0_run):
+  """k = 0 is the synchronous loop as it was before asynchronous RL: the tiny run's RL metrics and
+  its final params (sum of |x| in float64) equal those of the same run at b8caa78, the commit
+  before the step was split into the sampler's and the trainer's halves
+  (``tests/pinned/async_k0_before_b8caa78.json``, its command and versions inside). On the machine
+  that pinned them they are bitwise equal, every value (2026-11-27, jax 0.10.2, AMD EPYC); the
+  tolerance (1e-6 relative) only absorbs another CPU's code generation. ``strat/strata_per_group``
+  was added after b8caa78 and is not compared."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from gigrl import config as config_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.training import build  # pylint: disable=import-outside-toplevel
+  from gigrl.training import checkpoint  # pylint: disable=import-outside-toplevel
+  with open(PINNED_K0) as f:
+    pinned = json.load(f)
+  got = _rl(k0_run)
+  assert len(got) == len(pinned["rl_metrics"])
+  for want, row in zip(pinned["rl_metrics"], got):
+    for k, v in want.items():
+      if isinstance(v, float):
+        assert row[k] == pytest.approx(v, rel=1e-6, abs=1e-9), (want["step"], k)
+      else:
+        assert row[k] == v, (want["step"], k)
+  spec = importlib.util.spec_from_file_location("smoke", os.path.join(ROOT, "configs/smoke.py"))
+  smoke = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(smoke)
+  cfg = smoke.get_config()
+  config_lib.apply_overrides(cfg, ARGS)
+  vocab = build.load_data(cfg, k0_run).tokenizer.vocab_size
+  params, meta = checkpoint.restore_params(k0_run, None, build.build_policy(cfg, vocab, None).params)
+  assert meta["step"] == pinned["final_step"]
+  total = sum(np.abs(np.asarray(x, np.float64)).sum() for x in jax.tree.leaves(params))
+  assert float(total) == pytest.approx(pinned["params_abs_sum"], rel=1e-6)
+
+
+@pytest.fixture(scope="module")
 def k1_run(tmp_path_factory):
   """A one-process k = 1 run (the sampler a thread)."""
   work = tmp_path_factory.mktemp("k1") / "run"
@@ -141,11 +189,10 @@ def k1_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_tiny_runs_hold_the_staleness_bound(tmp_path, k1_run):
+def test_tiny_runs_hold_the_staleness_bound(tmp_path, k0_run, k1_run):
   """k = 0 logs no asynchronous metrics; k = 1 and 2 log every row exactly min(k, updates so
   far) versions stale, with the correction's ratio near 1 (the tiny updates move little)."""
-  _run(tmp_path / "k0")
-  assert not any(k.startswith("async/") for r in _rl(tmp_path / "k0") for k in r)
+  assert not any(k.startswith("async/") for r in _rl(k0_run) for k in r)
   _run(tmp_path / "k2", *_async(2))
   for k, work in ((1, k1_run), (2, tmp_path / "k2")):
     rl = _rl(work)
