@@ -204,9 +204,6 @@ class Synchronous:
     """Nothing runs between two steps: a no-op context."""
     return contextlib.nullcontext()
 
-  def stop(self) -> None:
-    """Nothing to stop."""
-
   def close(self) -> None:
     """Nothing to close."""
 

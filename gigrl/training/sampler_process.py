@@ -343,7 +343,6 @@ class SamplerSide:
       if idx != list(range(len(ref))):
         raise RuntimeError(f"the first params put covers leaves {idx}, not all {len(ref)}")
       self.device_leaves = [None] * len(ref)
-    self.device_leaves = list(self.device_leaves)
     for i, x in zip(idx, put):
       self.device_leaves[i] = x
     return jax.tree.unflatten(jax.tree.structure(self.policy.params), self.device_leaves)
@@ -418,9 +417,13 @@ class _Versions:
       pieces = self.pieces.pop(v)
       del self.arrived[v]
     got = assemble(pieces, self.like, leaves)
-    self.log(f"sampler: version {v} received ({len(got)} of {len(self.like)} leaves, "
-             f"{sum(x.nbytes for x in got.values()) / 2**20:.1f} MiB)")
+    _log_received(self.log, v, got, self.like)
     self.publish(got, v)
+
+
+def _log_received(log: Callable[[str], None], version: int, got: dict, like: Sequence[Any]):
+  log(f"sampler: version {version} received ({len(got)} of {len(like)} leaves, "
+      f"{sum(x.nbytes for x in got.values()) / 2**20:.1f} MiB)")
 
 
 def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
@@ -457,8 +460,7 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
     side.pool.load_state_dict(start.pool_state)
     like = jax.tree.leaves(side.policy.params)
     params = assemble([p for msg in first for p in msg.pieces], like)
-    log(f"sampler: version {start.version} received ({len(params)} of {len(like)} leaves, "
-        f"{sum(x.nbytes for x in params.values()) / 2**20:.1f} MiB)")
+    _log_received(log, start.version, params, like)
     sampler = overlap.Sampler(
         lambda s, params, v: overlap.sample_step(side, s, params, v, log),
         max_staleness=start.max_staleness, first_rl_step=start.first_rl_step,
