@@ -392,3 +392,22 @@ def test_same_eval_fields_reads_a_missing_field_as_its_default():
   changed = copy.deepcopy(mine)
   changed["data"]["group_size"] += 1                    # EVAL_IGNORED: RL sampling only
   assert evaluator.same_eval_fields(changed, mine)
+
+
+def test_same_eval_fields_compares_data_files_by_their_bytes(tmp_path):
+  """Two runs from two checkouts name the same packaged questions under different directories:
+  the files' bytes decide, so the source run's evaluation is reused; other bytes are not."""
+  import copy  # pylint: disable=import-outside-toplevel
+  from gigrl import config as config_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.training import evaluator  # pylint: disable=import-outside-toplevel
+  (tmp_path / "a").mkdir()
+  (tmp_path / "b").mkdir()
+  for d in ("a", "b"):
+    (tmp_path / d / "questions.jsonl").write_text('{"question": "q", "answers": ["x"]}\n')
+  mine = json.loads(config_lib.base_config().to_json_best_effort())
+  mine["data"]["questions_file"] = str(tmp_path / "a" / "questions.jsonl")
+  theirs = copy.deepcopy(mine)
+  theirs["data"]["questions_file"] = str(tmp_path / "b" / "questions.jsonl")
+  assert evaluator.same_eval_fields(theirs, mine)
+  (tmp_path / "b" / "questions.jsonl").write_text('{"question": "q", "answers": ["y"]}\n')
+  assert not evaluator.same_eval_fields(theirs, mine)

@@ -5,6 +5,7 @@ the final ``eval.json``, and the reuse of an evaluation already made of the same
 """
 from __future__ import annotations
 
+import filecmp
 import json
 import os
 import time
@@ -66,17 +67,30 @@ def same_eval_fields(theirs: dict[str, Any], mine: dict[str, Any]) -> bool:
   """Whether two runs' configs (JSON dicts) agree on every field an evaluation reads.
 
   A field missing from either (a config saved before the field existed) counts as its
-  default in ``config.base_config()``, which is what that run used.
+  default in ``config.base_config()``, which is what that run used. A field naming a file
+  (``data.questions_file``, ``search.corpus``) agrees when both files hold the same bytes,
+  wherever they are.
   """
   defaults = json.loads(config_lib.base_config().to_json_best_effort())
   theirs, mine = _over_defaults(theirs, defaults), _over_defaults(mine, defaults)
   for field in EVAL_FIELDS:
     a, b = _dotted(theirs, field), _dotted(mine, field)
     if isinstance(a, dict) and isinstance(b, dict):
-      a, b = ({k: v for k, v in d.items() if k not in EVAL_IGNORED} for d in (a, b))
-    if a != b:
+      keys = (set(a) | set(b)) - set(EVAL_IGNORED)
+      if not all(_same_value(a.get(k), b.get(k)) for k in keys):
+        return False
+    elif not _same_value(a, b):
       return False
   return True
+
+
+def _same_value(a: Any, b: Any) -> bool:
+  """Equal values, or two paths to files with the same bytes (a run started from another
+  checkout of the repository names its packaged data files under another directory)."""
+  if a == b:
+    return True
+  return (isinstance(a, str) and isinstance(b, str) and os.path.isfile(a) and os.path.isfile(b)
+          and filecmp.cmp(a, b, shallow=False))
 
 
 def recorded_eval(workdir: str | epath.PathLike, step: int) -> dict[str, Any] | None:
