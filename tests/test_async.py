@@ -431,7 +431,9 @@ def test_params_pieces_assemble_to_the_trainer_params():
   b = np.arange(5, dtype=np.int32)
   params = {"a": jax.device_put(a, NamedSharding(mesh, P("fsdp"))),
             "b": jax.device_put(b, NamedSharding(mesh, P()))}
-  pieces = sampler_process._pieces(params)  # pylint: disable=protected-access
+  from gigrl.training import state as state_lib  # pylint: disable=import-outside-toplevel
+  pieces = sampler_process._pieces(  # pylint: disable=protected-access
+      dict(enumerate(jax.tree.leaves(params))))
   assert len(pieces) == len(jax.devices()) + 1            # a's 8 shards, b once
   half = len(pieces) // 2                                 # "process 0" and "process 1"
   got = sampler_process.assemble(pieces[half:] + pieces[:half], jax.tree.leaves(params))
@@ -439,25 +441,26 @@ def test_params_pieces_assemble_to_the_trainer_params():
   np.testing.assert_array_equal(got[1], b)
   with pytest.raises(RuntimeError, match="cover leaves"):
     sampler_process.assemble(pieces[1:], jax.tree.leaves(params))
-  # an update's version with LoRA: the trained leaves only
-  only_b = sampler_process._pieces(params, [1])  # pylint: disable=protected-access
+  # an update's version with LoRA: the trained leaves only, device-copied as publish does
+  only_b = sampler_process._pieces(  # pylint: disable=protected-access
+      state_lib.copy_leaves(params, [1]))
   got = sampler_process.assemble(only_b, jax.tree.leaves(params), [1])
   assert list(got) == [1]
   np.testing.assert_array_equal(got[1], b)
 
 
 def test_with_lora_only_the_adapters_are_trained_leaves():
-  """``trained_leaves``: with LoRA, the adapter leaves (A and B of each target), which an update
+  """``lora.trained_leaf_indices``: with LoRA, the adapter leaves (A and B of each target), which an update
   changes and the sampler is sent after the start; without LoRA, None (every leaf)."""
   import jax  # pylint: disable=import-outside-toplevel
   from gigrl import config as config_lib  # pylint: disable=import-outside-toplevel
   from gigrl.training import build  # pylint: disable=import-outside-toplevel
-  from gigrl.training import sampler_process  # pylint: disable=import-outside-toplevel
+  from gigrl.models import lora as lora_lib  # pylint: disable=import-outside-toplevel
   cfg = config_lib.base_config()
   cfg.model.preset, cfg.model.lora.rank = "tiny", 4
   params = build.build_policy(cfg, 512, None).params
   names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-  got = sampler_process.trained_leaves(params, True)
+  got = lora_lib.trained_leaf_indices(params, True)
   assert got and all("_lora_" in names[i] for i in got)
   assert not any("_lora_" in n for i, n in enumerate(names) if i not in got)
-  assert sampler_process.trained_leaves(params, False) is None
+  assert lora_lib.trained_leaf_indices(params, False) is None

@@ -171,3 +171,88 @@ def test_the_smollm2_recipe_needs_at_most_32_programs(tmp_path):
   # the evaluation (greedy, the same 64 rows) shares every program but its prompt tails
   # (64 distinct prompts against the RL batch's 16): decode's greedy is traced
   assert sum(p.stage == "eval" for p in programs) == 1
+
+
+def _count_compiles_after_warm_up(cfg, workdir: str) -> dict:
+  """Runs ``cfg`` in ``workdir`` and returns the programs compiled after its warm-up (orbax's
+  first-save slicing excluded, as above)."""
+  from gigrl.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.training import warmup  # pylint: disable=import-outside-toplevel
+  _after["names"].clear()
+  t = trainer_lib.Trainer(cfg, workdir)
+  real, save = warmup.warm_up, t.checkpoints.save
+
+  def warm_up(*a, **k):
+    out = real(*a, **k)
+    _after["on"] = True
+    return out
+
+  def saving(*a, **k):
+    _after["saving"] = True
+    try:
+      return save(*a, **k)
+    finally:
+      _after["saving"] = False
+
+  warmup.warm_up, t.checkpoints.save = warm_up, saving
+  try:
+    t.run()
+  finally:
+    warmup.warm_up = real
+    _after["on"] = False
+  return dict(_after["names"])
+
+
+@pytest.mark.slow
+def test_no_compile_after_warm_up_at_staleness_1_with_lora_and_on_resume(tmp_path):
+  """At ``train.max_staleness = 1`` each update's params are device-copied for the sampler
+  thread: that copy is planned too, with LoRA (where no reference copy shares its program) and
+  on a resume in the middle of RL (where none is made). Try it: drop ``published_copy`` from
+  ``helper_programs``, and ``jit(_copy_arrays)`` compiles after the warm-up."""
+  sys.path.insert(0, ROOT)
+  from configs import smoke  # pylint: disable=import-outside-toplevel
+  monitoring.register_event_duration_secs_listener(_on_duration)
+  cfg = smoke.get_config()
+  cfg.data.max_train_questions, cfg.data.prompts_per_step, cfg.data.group_size = 24, 8, 2
+  cfg.data.pool.rule = "grpo"
+  cfg.rollout.max_new_tokens, cfg.rollout.max_obs_tokens = 24, 64
+  cfg.train.sft_steps, cfg.train.sft_batch_size, cfg.train.num_steps = 2, 8, 2
+  cfg.train.eval_questions, cfg.train.compile_cache, cfg.train.sample_every = 0, "", 100
+  cfg.train.max_staleness = 1
+  cfg.checkpoint.every_steps = 2
+  lora = cfg.copy_and_resolve_references()
+  lora.model.lora.rank = 4
+  assert _count_compiles_after_warm_up(lora, str(tmp_path / "lora")) == {}
+  assert _count_compiles_after_warm_up(cfg, str(tmp_path / "full")) == {}
+  cfg.train.num_steps = 4                      # resumed at RL step 2 of 4
+  assert _count_compiles_after_warm_up(cfg, str(tmp_path / "full")) == {}
+
+
+def test_a_sampler_process_is_published_the_adapters_by_a_planned_program():
+  """With ``train.sampler_address`` and LoRA, each update publishes a device copy of the
+  adapters alone (not of the whole params), and the warm-up's ``copy[published adapters]``
+  is that program: once it is compiled, publishing compiles nothing."""
+  from gigrl import config as config_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.models import lora as lora_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.training import build  # pylint: disable=import-outside-toplevel
+  from gigrl.training import state as state_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.training import warmup  # pylint: disable=import-outside-toplevel
+  monitoring.register_event_duration_secs_listener(_on_duration)
+  cfg = config_lib.base_config()
+  cfg.model.preset, cfg.model.lora.rank = "tiny", 4
+  cfg.train.max_staleness, cfg.train.sampler_address = 1, "localhost:1"
+  params = build.build_policy(cfg, 512, None).params
+  prog = warmup.published_copy(cfg, params, True, reference_listed=True)
+  assert prog.label == "copy[published adapters]"
+  prog.lower().compile()
+  trained = lora_lib.trained_leaf_indices(params, True)
+  _after["names"].clear()
+  _after["on"] = True
+  try:
+    copies = state_lib.copy_leaves(params, trained)
+  finally:
+    _after["on"] = False
+  assert sorted(copies) == trained and len(trained) < len(jax.tree.leaves(params))
+  assert not _after["names"], dict(_after["names"])
+  cfg.train.max_staleness = 0
+  assert warmup.published_copy(cfg, params, True, reference_listed=True) is None

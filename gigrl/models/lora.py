@@ -172,6 +172,17 @@ def split_trainable(params: Any, lora: bool) -> tuple[Any, Any]:
   return nnx.split_state(params, trainable_filter(lora), ...)
 
 
+def trained_leaf_indices(params: Any, lora: bool) -> list[int] | None:
+  """The indices (``jax.tree.leaves`` order) of the leaves an update changes: the adapters
+  (A and B of each target) with ``lora``, else None (every leaf)."""
+  if not lora:
+    return None
+  trained, _ = split_trainable(params, True)
+  keys = {jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(trained)[0]}
+  return [i for i, (k, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0])
+          if jax.tree_util.keystr(k) in keys]
+
+
 def merge(trained: Any, frozen: Any) -> Any:
   """The full ``nnx.State`` again (:func:`split_trainable`'s inverse)."""
   return nnx.merge_state(trained, frozen)

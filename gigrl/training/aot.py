@@ -614,6 +614,9 @@ def run_set(cfg, topology: str, stages: Sequence[str] = RUN_STAGES):
       if not lora.enabled:
         out.append(warmup.RunProgram("other", "copy[reference params]",
                                      lambda: state_lib.copy_program(params)))
+      published = warmup.published_copy(cfg, params, lora.enabled, reference_listed=True)
+      if published:
+        out.append(published)
       _, adv_fn, adv_state = build.build_advantages(cfg)
       c, tt = rows // g, settings.max_turns + 1
       z = lambda shape, dt: replicated(np.zeros(shape, dt))  # noqa: E731

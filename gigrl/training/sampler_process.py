@@ -126,24 +126,11 @@ def _authkey() -> bytes:
   return os.environ.get(ENV_KEY, "gigrl").encode()
 
 
-def _pieces(params: Any, leaves: Sequence[int] | None = None) -> list:
-  """This process's :class:`Params` pieces of ``params`` (of the leaf indices ``leaves``, None =
-  all): each addressable shard with replica id 0, read to the host (no collective)."""
-  keep = None if leaves is None else set(leaves)
-  return [(i, shard.index, np.asarray(shard.data))
-          for i, x in enumerate(jax.tree.leaves(params)) if keep is None or i in keep
+def _pieces(arrays: dict[int, jax.Array]) -> list:
+  """This process's :class:`Params` pieces of ``arrays`` (``{leaf index: array}``): each
+  addressable shard with replica id 0, read to the host (no collective)."""
+  return [(i, shard.index, np.asarray(shard.data)) for i, x in arrays.items()
           for shard in x.addressable_shards if shard.replica_id == 0]
-
-
-def trained_leaves(params: Any, lora: bool) -> list[int] | None:
-  """The indices (``jax.tree.leaves`` order) of the leaves an update changes: the LoRA adapters
-  with ``lora``, else None (every leaf)."""
-  if not lora:
-    return None
-  trained, _ = lora_lib.split_trainable(params, True)
-  keys = {jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(trained)[0]}
-  return [i for i, (k, _) in enumerate(jax.tree_util.tree_flatten_with_path(params)[0])
-          if jax.tree_util.keystr(k) in keys]
 
 
 def assemble(pieces: Sequence[tuple[int, tuple, np.ndarray]], like: Sequence[Any],
@@ -189,7 +176,8 @@ def for_trainer(t, step: int, log: Callable[[str], None]):
                 max_staleness=int(cfg.train.max_staleness), version=step - 1 - sft,
                 pool_state=t.pool.state_dict())
   return RemoteSampler(address, start, t.state.params, log,
-                       trained=trained_leaves(t.state.params, t.policy.lora.enabled))
+                       trained=lora_lib.trained_leaf_indices(t.state.params,
+                                                                    t.policy.lora.enabled))
 
 
 def _connect(address: str, timeout: float, log: Callable[[str], None], what: str):
@@ -219,7 +207,7 @@ class RemoteSampler:
   Args:
     address: ``host:port`` the sampler listens at; start: the :class:`Start` (sent by process
       0); params: the params RL starts from (version ``start.version``); log: a line logger.
-    trained: :func:`trained_leaves`: the leaves sent after each update (None = all).
+    trained: :func:`lora.trained_leaf_indices`: the leaves sent after each update (None = all).
     timeout: seconds to wait for the sampler process to listen.
   """
 
@@ -236,25 +224,24 @@ class RemoteSampler:
     self.outbox: queue.Queue = queue.Queue()
     self.error: BaseException | None = None
     self.closed = False
+    # the start version whole, read to the host now, once (no device copy of the whole
+    # params: with LoRA none is made at all); then the sender thread takes over
+    self.outbox.put((int(start.version), None, _pieces(dict(enumerate(jax.tree.leaves(params))))))
     self.sender = threading.Thread(target=self._send_loop, name="gigrl-weights", daemon=True)
     self.sender.start()
-    # a device copy (the first update donates the trainer's buffers), read by the sender
-    self.outbox.put((int(start.version), state_lib.copy(params)))
 
   def _send_loop(self) -> None:
-    """Sends each published version (this process's shards of its device copy, read to the host
-    here, off the trainer's thread: the start params whole, then the ``trained`` leaves), then
-    ``None``."""
-    leaves = None
+    """Sends each published version (this process's shards of its leaves' device copies, read
+    to the host here, off the trainer's thread), then ``None``."""
     try:
       while True:
         item = self.outbox.get()
         if item is None:
           self.conn.send(None)
           return
-        version, params = item
-        self.conn.send(Params(version=version, pieces=_pieces(params, leaves), leaves=leaves))
-        leaves = self.trained
+        version, leaves, arrays = item
+        pieces = arrays if isinstance(arrays, list) else _pieces(arrays)
+        self.conn.send(Params(version=version, pieces=pieces, leaves=leaves))
     except BaseException as e:  # pylint: disable=broad-except
       self.error = e
 
@@ -288,12 +275,13 @@ class RemoteSampler:
     return msg, time.perf_counter() - t0
 
   def publish(self, params, version: int) -> None:
-    """Queues update ``version``'s params for the sampler (a device copy now: the next update
-    donates the trainer's buffers; read to the host and sent by the sending thread). A failed
-    send shows at the next :meth:`get` (the connection is gone)."""
+    """Queues update ``version``'s ``trained`` leaves for the sampler (with LoRA the adapters
+    alone; device copies now, :func:`state.copy_leaves`, since the next update donates the
+    trainer's buffers; read to the host and sent by the sending thread). A failed send shows at
+    the next :meth:`get` (the connection is gone)."""
     if int(version) > self.last_version or self.error is not None:   # no step samples with it
       return
-    self.outbox.put((int(version), state_lib.copy(params)))
+    self.outbox.put((int(version), self.trained, state_lib.copy_leaves(params, self.trained)))
 
   def paused(self):
     """Nothing to hold: evaluations run on the trainer's devices and retriever."""

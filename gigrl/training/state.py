@@ -8,7 +8,7 @@ static fields as JSON; nothing else is needed to continue a run bitwise (docs/ar
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +85,23 @@ def copy_program(state: Any):
   leaves = jax.tree.leaves(state)
   return _copy_arrays.lower([x for x in leaves
                              if isinstance(x, (jax.Array, jax.ShapeDtypeStruct))])
+
+
+def copy_leaves(tree: Any, leaves: Sequence[int] | None = None) -> dict[int, jax.Array]:
+  """Device copies of ``tree``'s device leaves ``leaves`` (``jax.tree.leaves`` indices; None =
+  all), by index: what an asynchronous sampler is published after an update, whose next
+  update donates (frees) the originals. One jitted program per selection
+  (:func:`copy_leaves_program`); all leaves is :func:`copy`'s program."""
+  all_ = jax.tree.leaves(tree)
+  idx = list(range(len(all_))) if leaves is None else list(leaves)
+  return dict(zip(idx, _copy_arrays([all_[i] for i in idx])))
+
+
+def copy_leaves_program(tree: Any, leaves: Sequence[int] | None = None):
+  """:func:`copy_leaves`'s program (``tree``: device arrays or ``jax.ShapeDtypeStruct``),
+  traced and lowered (not run)."""
+  all_ = jax.tree.leaves(tree)
+  return _copy_arrays.lower([all_[i] for i in (range(len(all_)) if leaves is None else leaves)])
 
 
 def leaves_by_path(tree: Any) -> dict[str, Any]:

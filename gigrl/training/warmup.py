@@ -152,6 +152,24 @@ def sft_programs(cfg, steps, mesh, params, opt_state, put: Callable,
   return out
 
 
+def published_copy(cfg, params, lora: bool, *, reference_listed: bool) -> RunProgram | None:
+  """The device copy an asynchronous sampler is published after each update
+  (``train.max_staleness`` >= 1): the whole params for the in-process sampler thread, the
+  trained leaves for a sampler process (``train.sampler_address``; the adapters alone with
+  LoRA). None at k = 0, or when it is the reference copy's program (the whole params without
+  LoRA), already listed when ``reference_listed``."""
+  from gigrl.models import lora as lora_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.training import state as state_lib  # pylint: disable=import-outside-toplevel
+  if not int(cfg.train.max_staleness):
+    return None
+  leaves = (lora_lib.trained_leaf_indices(params, lora) if cfg.train.get("sampler_address")
+            else None)
+  if leaves is None and reference_listed and not lora:
+    return None
+  return RunProgram("other", "copy[published adapters]" if leaves else "copy[published params]",
+                    lambda: state_lib.copy_leaves_program(params, leaves))
+
+
 def helper_programs(t, start: int) -> list[RunProgram]:
   """The small programs around the steps: the RL optimizer's init and the reference copy at the
   start of RL, the advantage estimator, and the checkpoint's device copy of the state."""
@@ -167,6 +185,10 @@ def helper_programs(t, start: int) -> list[RunProgram]:
     if not pol.lora.enabled:
       out.append(RunProgram("other", "copy[reference params]",
                             lambda: state_lib.copy_program(params)))
+  published = published_copy(cfg, params, pol.lora.enabled,
+                             reference_listed=bool(rl_steps and start <= sft_steps))
+  if rl_steps and published:
+    out.append(published)
   if rl_steps:
     p, g = int(cfg.data.prompts_per_step), int(cfg.data.group_size)
     c, tt = t.pool.num_candidates, t.settings.max_turns + 1
