@@ -7,6 +7,7 @@
 # the k = 1 and k = 2 runs; k >= 1 runs with the off-policy correction (tis, cap 2).
 #
 #   nohup bash docs/results/async/run.sh > runs/async.log 2>&1 &     # after the engaged grid
+#   python docs/results/async/collect.py --runs runs/engaged           # results.json "learning"
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 RUNS=${RUNS:-runs/engaged}
