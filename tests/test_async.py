@@ -259,20 +259,25 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _start_pair(work, port, *extra: str, processes: int = 0, devices: int = 1):
+def _start_pair(work, port, *extra: str, processes: int = 0, devices: int = 1,
+                samplers: int = 1, sampler_devices: int = 1):
   """The trainer and its sampler process (``train.sampler_address``), all started: the trainer
   on one process (``processes = 0``) or on ``processes`` joined by ``jax.distributed`` (gloo),
-  each with ``devices`` CPU devices, the sampler on one. Returns the trainer processes, then the
-  sampler."""
+  each with ``devices`` CPU devices; the sampler on ``samplers`` processes (a cluster of its
+  own when several), each with ``sampler_devices``. Returns the trainer processes, then the
+  sampler's."""
   args = [*_async(1), f"--config.train.sampler_address=localhost:{port}", *extra]
-  flags = {} if devices == 1 else {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-  envs = [_env(**flags)] if not processes else [
-      _env(**flags, GIGRL_COORDINATOR=f"127.0.0.1:{_free_port()}",
-           GIGRL_NUM_PROCESSES=str(processes), GIGRL_PROCESS_ID=str(i)) for i in range(processes)]
-  if processes:
-    for e in envs[1:]:
-      e["GIGRL_COORDINATOR"] = envs[0]["GIGRL_COORDINATOR"]
-  cmds = [(_cmd(work, *args), e) for e in envs] + [(_cmd(work, *args, "--sampler"), _env())]
+
+  def envs(n, d):
+    flags = {} if d == 1 else {"XLA_FLAGS": f"--xla_force_host_platform_device_count={d}"}
+    if n <= 1:
+      return [_env(**flags)]
+    coordinator = f"127.0.0.1:{_free_port()}"
+    return [_env(**flags, GIGRL_COORDINATOR=coordinator, GIGRL_NUM_PROCESSES=str(n),
+                 GIGRL_PROCESS_ID=str(i)) for i in range(n)]
+
+  cmds = ([(_cmd(work, *args), e) for e in envs(processes, devices)]
+          + [(_cmd(work, *args, "--sampler"), e) for e in envs(samplers, sampler_devices)])
   procs = []
   for i, (cmd, env) in enumerate(cmds):   # stderr to files: a full pipe would stall a process
     log = f"{work}.{i}.log"
@@ -356,6 +361,46 @@ def test_a_trainer_on_two_processes_with_a_sampler_process(tmp_path):
         assert y.get(k) == x.get(k), (x["step"], k)
     assert y["time/rollout_compile_s"] == 0 and y["time/update_compile_s"] == 0
   assert [r["async/staleness_max"] for r in b] == [0, 1, 1, 1, 1, 1]
+
+
+def _close_metrics(a, b, skip=(), compiles_from=0):
+  """Every metric of every RL step within 1e-6 (timings and keys ending in ``skip`` aside), no
+  compile inside a step (from the ``compiles_from``-th on)."""
+  assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(4, 10))
+  for x, y in zip(a, b):
+    keys = {k for k in x.keys() | y.keys() if not k.startswith("time/")
+            and not k.endswith(("_s", "tokens_per_s", *skip))}
+    for k in sorted(keys):
+      if isinstance(x.get(k), float):
+        assert y.get(k) == pytest.approx(x[k], abs=1e-6, rel=1e-6), (x["step"], k)
+      else:
+        assert y.get(k) == x.get(k), (x["step"], k)
+  for y in b[compiles_from:]:
+    assert y["time/rollout_compile_s"] == 0 and y["time/update_compile_s"] == 0
+
+
+@pytest.mark.slow
+def test_a_sampler_on_two_processes(tmp_path):
+  """The sampler on 2 processes x 1 CPU device (gloo, a JAX cluster of its own): process 0
+  assembles each version and forwards it to process 1, both roll out their share of each step's
+  rows, agree before each step, and group GiGPO's anchor ids of the rows whose strings they hold
+  (the trainer could not: that is a collective of the sampler's processes). Every metric of
+  every step equals, to 1e-6, the run whose sampler is 1 process x 2 devices, but the rollout's
+  ``weight_reads`` (a count per process, summed over processes). Try it: leave the anchor ids
+  to the trainer (``_sample`` without its grouping) and ``gigpo/anchor_group_frac`` differs
+  at step 4 (0.25 against 0.33: the trainer would group sampler process 0's rows only)."""
+  gigpo = ["--config.advantage.step=gigpo", "--config.advantage.gigpo.grouping=similarity"]
+  ref, two = tmp_path / "one", tmp_path / "two"
+  _finish(*_start_pair(ref, _free_port(), *gigpo, sampler_devices=2))
+  procs = _start_pair(two, _free_port(), *gigpo, samplers=2)
+  _finish(*procs)
+  a, b = _rl(ref), _rl(two)
+  # the first step of a rollout on several processes compiles its host gathers (jax's
+  # process_allgather, ~0.06 s here): not in the warm-up's plan yet (noted on issue #50)
+  _close_metrics(a, b, skip=("weight_reads",), compiles_from=1)
+  assert all("gigpo/anchor_group_frac" in r for r in b if r["update/rows"] > 0)
+  assert [r["async/staleness_max"] for r in b] == [0, 1, 1, 1, 1, 1]
+  assert "on 2 processes" in _stderr(procs[1])
 
 
 @pytest.mark.slow

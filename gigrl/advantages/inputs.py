@@ -245,6 +245,21 @@ def anchor_grouping(adv_cfg) -> str | None:
   return adv_cfg.gigpo_grouping if adv_cfg.step == "gigpo" else None
 
 
+def anchor_group_fn(adv_cfg, rows: np.ndarray, max_steps: int):
+  """GiGPO's ``group_fn(batch, first_row) -> i32[P, G, T]`` anchor ids of the trained groups
+  ``rows`` (i32[P, G]) whose rows ``batch`` holds from global row ``first_row`` on (what
+  ``owned`` calls on each host); None without a step estimator."""
+  grouping = anchor_grouping(adv_cfg)
+  if grouping is None:
+    return None
+  thresh = adv_cfg.gigpo_similarity_thresh
+
+  def group_fn(b, first):
+    return group_anchor_ids(b, rows, max_steps, anchor_grouping=grouping,
+                            similarity_thresh=thresh, first_row=first)
+  return group_fn
+
+
 def step_advantages(advantage_fn, adv_cfg, adv_state, batch: traj_lib.TrajectoryBatch,
                     rewards: np.ndarray, rows: np.ndarray, valid_groups: np.ndarray,
                     max_steps: int, *, num_candidates: int, row_arrays: RowArrays,
@@ -268,10 +283,8 @@ def step_advantages(advantage_fn, adv_cfg, adv_state, batch: traj_lib.Trajectory
   grouping = anchor_grouping(adv_cfg)
   thresh = adv_cfg.gigpo_similarity_thresh
   anchor_ids = None
-  if grouping is not None:    # each host groups the anchors of the trained groups it holds
-    def group_fn(b, first):
-      return group_anchor_ids(b, rows, max_steps, anchor_grouping=grouping,
-                              similarity_thresh=thresh, first_row=first)
+  group_fn = anchor_group_fn(adv_cfg, rows, max_steps)
+  if group_fn is not None:    # each host groups the anchors of the trained groups it holds
     anchor_ids = group_fn(batch, 0) if owned is None else owned(group_fn, rows)
   inputs = advantage_inputs(
       batch, rewards, rows, valid_groups, max_steps, anchor_grouping=grouping,

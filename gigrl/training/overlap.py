@@ -218,10 +218,13 @@ class Sampler:
 
   def __init__(self, sample: Callable[[int, Any, int], Rollout], *, max_staleness: int,
                first_rl_step: int, last_step: int, sft_steps: int, params, version: int,
-               copy: Callable[[Any], Any]):
+               copy: Callable[[Any], Any], agree: Callable[[bool], bool] | None = None):
     if int(max_staleness) < 1:
       raise ValueError(f"max_staleness={max_staleness}: a Sampler samples ahead (k >= 1)")
     self.sample, self.k, self.sft_steps = sample, int(max_staleness), int(sft_steps)
+    # a sampler on several processes: before each step, whether every process goes on
+    # (``agree(go) -> all go``, a collective), so all sample it or none does
+    self.agree = agree
     self.last_step, self.copy = int(last_step), copy
     self.next_step = int(first_rl_step)
     self.versions: dict[int, Any] = {int(version): copy(params)}   # copies still needed
@@ -248,9 +251,11 @@ class Sampler:
           oldest = min(self.versions)
           want = max(self.version_for(s), oldest)   # after a resume: the restored version
           self.cond.wait_for(lambda: self.stopped or want in self.versions)
-          if self.stopped:
-            return
-          params = self.versions[want]
+          params = None if self.stopped else self.versions[want]
+        if self.agree is not None and not self.agree(params is not None):
+          return
+        if params is None:
+          return
         idle = time.perf_counter() - t0
         with self.hold:
           r = self.sample(s, params, want)

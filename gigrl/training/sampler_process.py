@@ -34,6 +34,12 @@ Receiving threads read the weights off the sockets and put each version on the s
 while the sampler decodes, so new weights never stop the sampler; it waits only when the version
 a step needs has not arrived yet (``time/sampler_idle_s``: the staleness bound at work).
 
+The sampler itself may run on several processes (a JAX cluster of its own): its process 0 listens
+and the others connect to it too; process 0 forwards them each version (:class:`Version`) and a
+stop, every process rolls out its share of each step's rows, they agree before each step whether
+to go on, GiGPO's anchor ids are grouped there (:func:`_sample`), and process 0 alone sends the
+rollouts (:func:`serve`).
+
 The query pool lives in the sampler, which starts from the trainer's pool state (its
 checkpoint's, on a resume). Each rollout carries the pool's state after it, which the trainer
 checkpoints with the step it trains, as in one process. Faults: when the sampler dies, the
@@ -46,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import pickle
 import queue
@@ -60,7 +67,9 @@ import numpy as np
 from etils import epath
 
 from gigrl import distributed
+from gigrl import advantages as adv_lib
 from gigrl import search as search_lib
+from gigrl.advantages import inputs as adv_inputs
 from gigrl.config_utils import ConfigError, UserError, host_port
 from gigrl.models import lora as lora_lib
 from gigrl.training import build
@@ -79,9 +88,20 @@ class SamplerError(UserError):
 
 @dataclasses.dataclass
 class Hello:
-  """Trainer process -> sampler, first: which of the trainer's processes this connection is."""
+  """First on each connection to the sampler: which trainer process it is (``role``
+  "trainer"), or which other process of a sampler on several processes ("sampler")."""
   process_index: int
   process_count: int
+  role: str = "trainer"
+
+
+@dataclasses.dataclass
+class Version:
+  """Sampler process 0 -> each other sampler process: a version's host leaves as
+  :func:`assemble` made them (``{leaf index: array}``; with ``model.lora`` after the start, the
+  adapters only)."""
+  version: int
+  leaves: dict
 
 
 @dataclasses.dataclass
@@ -175,9 +195,8 @@ def for_trainer(t, step: int, log: Callable[[str], None]):
   start = Start(first_rl_step=step, last_step=sft + int(cfg.train.num_steps), sft_steps=sft,
                 max_staleness=int(cfg.train.max_staleness), version=step - 1 - sft,
                 pool_state=t.pool.state_dict())
-  return RemoteSampler(address, start, t.state.params, log,
-                       trained=lora_lib.trained_leaf_indices(t.state.params,
-                                                                    t.policy.lora.enabled))
+  trained = lora_lib.trained_leaf_indices(t.state.params, t.policy.lora.enabled)
+  return RemoteSampler(address, start, t.state.params, log, trained=trained)
 
 
 def _connect(address: str, timeout: float, log: Callable[[str], None], what: str):
@@ -318,6 +337,7 @@ class SamplerSide:
     self.rl_questions = build.rl_questions(cfg.train, data.train, cfg.seed)
     self.pool = build.query_pool(cfg, len(self.rl_questions))
     self.eval_questions = evaluate_lib.select(data.eval, cfg.train.eval_questions)
+    self.adv_cfg = adv_lib.AdvantageConfig.from_config(cfg.advantage)
     self.device_leaves: list | None = None    # the last params put, by leaf (:meth:`put`)
 
   def put(self, leaves: dict[int, np.ndarray]) -> Any:
@@ -326,7 +346,11 @@ class SamplerSide:
     given is the last one put (with ``model.lora``: the frozen base, put once)."""
     ref = jax.tree.leaves(self.policy.params)
     idx = sorted(leaves)
-    put = jax.device_put([leaves[i] for i in idx], [ref[i].sharding for i in idx])
+    put = jax.device_put([leaves[i] for i in idx], [ref[i].sharding for i in idx]) if all(
+        ref[i].sharding.is_fully_addressable for i in idx) else [
+            # a sampler on several processes: each process puts its own shards of the leaf
+            jax.make_array_from_callback(leaves[i].shape, ref[i].sharding,
+                                         lambda index, x=leaves[i]: x[index]) for i in idx]
     if self.device_leaves is None:
       if idx != list(range(len(ref))):
         raise RuntimeError(f"the first params put covers leaves {idx}, not all {len(ref)}")
@@ -336,13 +360,14 @@ class SamplerSide:
     return jax.tree.unflatten(jax.tree.structure(self.policy.params), self.device_leaves)
 
 
-def _accept_trainer(address: str, timeout: float, log: Callable[[str], None]) -> list:
-  """Listens at ``address`` until every trainer process has connected: their connections,
-  in process order.
+def _accept(address: str, peers: int, timeout: float, log: Callable[[str], None]
+            ) -> tuple[list, list]:
+  """Listens at ``address`` until every trainer process and the ``peers`` other processes of
+  this sampler have connected: (the trainer's connections, the peers'), each in process order.
 
   Raises:
     ConfigError: naming ``train.sampler_address`` when this host cannot listen there.
-    SamplerError: not every trainer process connected within ``timeout`` seconds.
+    SamplerError: not every process connected within ``timeout`` seconds.
   """
   try:
     listener = connection.Listener(host_port("train.sampler_address", address),
@@ -351,16 +376,17 @@ def _accept_trainer(address: str, timeout: float, log: Callable[[str], None]) ->
     raise ConfigError("train.sampler_address", address,
                       f"an address this host can listen at ({e})") from None
   log(f"sampler: listening at {address} for the trainer (the same gigrl-train command without "
-      "--sampler)")
-  conns: dict[int, Any] = {}
+      "--sampler)" + (f" and {peers} other sampler process(es)" if peers else ""))
+  conns: dict[str, dict[int, Any]] = {"trainer": {}, "sampler": {}}
   count: list[int] = [1]
 
   def accept() -> None:
-    while len(conns) < count[0]:
+    while len(conns["trainer"]) < count[0] or len(conns["sampler"]) < peers:
       conn = listener.accept()
       hello = conn.recv()
-      count[0] = int(hello.process_count)
-      conns[int(hello.process_index)] = conn
+      if hello.role == "trainer":
+        count[0] = int(hello.process_count)
+      conns[hello.role][int(hello.process_index)] = conn
 
   got: list = []
   thread = threading.Thread(target=lambda: got.append(_call(accept)), daemon=True)
@@ -369,11 +395,13 @@ def _accept_trainer(address: str, timeout: float, log: Callable[[str], None]) ->
   listener.close()
   if thread.is_alive() or got[0] is not None:
     why = f" ({got[0]})" if got and got[0] is not None else ""
-    raise SamplerError(f"{len(conns)} of {count[0]} trainer processes connected to "
-                       f"train.sampler_address={address} within {timeout:.0f} s{why}: start "
+    raise SamplerError(f"{len(conns['trainer'])} of {count[0]} trainer processes and "
+                       f"{len(conns['sampler'])} of {peers} other sampler processes connected "
+                       f"to train.sampler_address={address} within {timeout:.0f} s{why}: start "
                        "the same gigrl-train command without --sampler")
   log(f"sampler: {count[0]} trainer process(es) connected")
-  return [conns[i] for i in range(count[0])]
+  return ([conns["trainer"][i] for i in range(count[0])],
+          [conns["sampler"][i] for i in sorted(conns["sampler"])])
 
 
 def _call(fn: Callable[[], None]) -> BaseException | None:
@@ -414,29 +442,67 @@ def _log_received(log: Callable[[str], None], version: int, got: dict, like: Seq
       f"{sum(x.nbytes for x in got.values()) / 2**20:.1f} MiB)")
 
 
+def _given(anchor_ids, group_fn, rows):  # pylint: disable=unused-argument
+  """A rollout's ``owned`` once its anchor ids were grouped by the sampler's processes."""
+  return anchor_ids
+
+
+def _sample(side: SamplerSide, step: int, params, version: int,
+            log: Callable[[str], None]) -> overlap.Rollout:
+  """:func:`overlap.sample_step`; on several processes GiGPO's anchor ids are grouped here, by
+  the sampler's processes that hold the rows' strings (a collective of theirs, which the
+  trainer could not call), and travel with the rollout."""
+  r = overlap.sample_step(side, step, params, version, log)
+  if jax.process_count() > 1:
+    group_fn = adv_inputs.anchor_group_fn(side.adv_cfg, r.rows, side.settings.max_turns + 1)
+    r.owned = functools.partial(_given, None if group_fn is None else r.owned(group_fn, r.rows))
+  return r
+
+
+def _all_go(go: bool) -> bool:
+  """Whether every process of the sampler goes on (one all-reduce of a flag)."""
+  return not distributed.any_process(not go)
+
+
 def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
           log: Callable[[str], None], timeout: float = CONNECT_TIMEOUT_S) -> int:
   """``gigrl-train --sampler``: builds the sampler, compiles its rollout programs, listens at
   ``train.sampler_address`` for the trainer's processes and samples the RL steps they start,
   until they stop it or its last step is sent.
 
+  On several processes (``jax.distributed``, a cluster of its own, not the trainer's) the
+  sampler's process 0 listens, and the others connect to it too: it forwards them each version
+  it assembles (:class:`Version`, the host leaves whole) and a stop; every process runs the same
+  schedule on its share of the rows, they agree before each step whether to go on (so all
+  sample it or none does), and process 0 alone sends the rollouts.
+
   Returns:
-    the number of rollouts sent.
+    the number of rollouts sent (process 0), or sampled (the others).
   Raises:
     ConfigError: no ``train.sampler_address`` (or ``train.max_staleness = 0``: the config's own
-      check), or this sampler on several processes. SamplerError: the trainer did not connect
-      within ``timeout`` seconds.
+      check). SamplerError: the trainer (or a sampler process) did not connect within
+      ``timeout`` seconds, or a connection was lost.
   """
   address = str(cfg.train.get("sampler_address", ""))
   if not address:
     raise ConfigError("train.sampler_address", address, "host:port for the sampler process to "
                       "listen at (the trainer connects there)")
-  if jax.process_count() > 1:
-    raise ConfigError("train.sampler_address", address, "a sampler of one process (gigrl-train "
-                      "--sampler runs on several processes: not supported yet)")
   side = SamplerSide(cfg, epath.Path(workdir) / "sampler", log)
   warmup.warm_up_sampler(side, side.eval_questions, log)
-  conns = _accept_trainer(address, timeout, log)
+  if jax.process_index():
+    return _serve_peer(side, address, timeout, log)
+  conns, peers = _accept(address, jax.process_count() - 1, timeout, log)
+  send_lock = threading.Lock()
+
+  def forward(msg) -> None:    # to the other sampler processes, in order
+    with send_lock:
+      for i, c in enumerate(peers, 1):
+        try:
+          c.send(msg)
+        except OSError:
+          raise SamplerError(f"sampler process {i} closed its connection to sampler process 0 "
+                             f"at train.sampler_address={address}") from None
+
   sent = 0
   try:
     try:
@@ -445,21 +511,26 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
     except (EOFError, OSError):
       raise SamplerError(f"the trainer closed its connection to train.sampler_address={address} "
                          "before RL started") from None
-    side.pool.load_state_dict(start.pool_state)
     like = jax.tree.leaves(side.policy.params)
     params = assemble([p for msg in first for p in msg.pieces], like)
     _log_received(log, start.version, params, like)
-    sampler = overlap.Sampler(
-        lambda s, params, v: overlap.sample_step(side, s, params, v, log),
-        max_staleness=start.max_staleness, first_rl_step=start.first_rl_step,
-        last_step=start.last_step, sft_steps=start.sft_steps, params=params,
-        version=start.version, copy=side.put)
-    log(f"sampler: RL steps {start.first_rl_step}-{start.last_step} from version "
-        f"{start.version}, k = {start.max_staleness}")
-    versions = _Versions(len(conns), like, sampler.publish, log)
+    forward(start)
+    forward(Version(start.version, params))
+    sampler = _start_sampler(side, start, params, log)
+
+    def publish(got: dict, v: int) -> None:
+      forward(Version(v, got))
+      sampler.publish(got, v)
+
+    versions = _Versions(len(conns), like, publish, log)
     errors: list[BaseException] = []
 
-    def receive(conn, i: int) -> None:   # the weights, put on this process's devices as they come
+    def stop() -> None:       # a trainer process is done (or gone): stop after the current step
+      sampler.stop()
+      with contextlib.suppress(Exception):
+        forward(None)
+
+    def receive(conn, i: int) -> None:   # the weights, put on the devices as they come
       try:
         while (msg := conn.recv()) is not None:
           versions.add(msg)
@@ -470,7 +541,7 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
             "last checkpoint"))
       except BaseException as e:  # pylint: disable=broad-except
         errors.append(e)          # raised by the sampling loop, which tells the trainer
-      sampler.stop()   # a trainer process is done (or gone): stop after the current step
+      stop()
 
     receivers = [threading.Thread(target=receive, args=(c, i), name=f"gigrl-weights-{i}",
                                   daemon=True) for i, c in enumerate(conns)]
@@ -495,8 +566,7 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
                 f"before RL step {step}: rerun both commands to resume from the trainer's last "
                 "checkpoint") from None
         sent += 1
-        log(f"sampler: step {step} sampled by version {r.version} in {r.t_roll:.1f} s "
-            f"(waited {r.idle_s:.1f} s for it)")
+        _log_sampled(log, step, r)
       failed = False
     except BaseException as e:
       for c in conns:
@@ -509,7 +579,80 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
       # reset the connection and drop the rollouts it has not read yet
       for th in receivers:
         th.join(None if not failed else 60)
+      with contextlib.suppress(Exception):
+        forward(None)
   finally:
-    for c in conns:
+    for c in conns + peers:
       c.close()
   return sent
+
+
+def _start_sampler(side: SamplerSide, start: Start, params: dict,
+                   log: Callable[[str], None]) -> overlap.Sampler:
+  """The :class:`overlap.Sampler` schedule of ``start``, from host leaves ``params``."""
+  side.pool.load_state_dict(start.pool_state)
+  sampler = overlap.Sampler(
+      lambda s, p, v: _sample(side, s, p, v, log),
+      max_staleness=start.max_staleness, first_rl_step=start.first_rl_step,
+      last_step=start.last_step, sft_steps=start.sft_steps, params=params,
+      version=start.version, copy=side.put,
+      agree=_all_go if jax.process_count() > 1 else None)
+  log(f"sampler: RL steps {start.first_rl_step}-{start.last_step} from version "
+      f"{start.version}, k = {start.max_staleness}"
+      + (f", on {jax.process_count()} processes" if jax.process_count() > 1 else ""))
+  return sampler
+
+
+def _log_sampled(log: Callable[[str], None], step: int, r: overlap.Rollout) -> None:
+  log(f"sampler: step {step} sampled by version {r.version} in {r.t_roll:.1f} s "
+      f"(waited {r.idle_s:.1f} s for it)")
+
+
+def _serve_peer(side: SamplerSide, address: str, timeout: float,
+                log: Callable[[str], None]) -> int:
+  """A sampler process other than 0: connects to process 0 at ``address``, takes the start and
+  each version from it, and samples its share of every step's rows until the last step or a
+  stop. Returns the steps sampled."""
+  conn = _connect(address, timeout, log, "sampler")
+  me = jax.process_index()
+  conn.send(Hello(me, jax.process_count(), role="sampler"))
+  lost = (f"sampler process 0 at train.sampler_address={address} closed the connection of "
+          f"sampler process {me}")
+  try:
+    try:
+      start, first = conn.recv(), conn.recv()
+    except (EOFError, OSError):
+      raise SamplerError(lost + " before RL started") from None
+    if start is None:
+      return 0
+    sampler = _start_sampler(side, start, first.leaves, log)
+    errors: list[BaseException] = []
+
+    def receive() -> None:
+      try:
+        while (msg := conn.recv()) is not None:
+          sampler.publish(msg.leaves, msg.version)
+      except (EOFError, OSError):
+        errors.append(SamplerError(lost))
+      except BaseException as e:  # pylint: disable=broad-except
+        errors.append(e)
+      sampler.stop()
+
+    receiver = threading.Thread(target=receive, name="gigrl-weights", daemon=True)
+    receiver.start()
+    done = 0
+    try:
+      for step in range(start.first_rl_step, start.last_step + 1):
+        try:
+          sampler.get(step)
+        except overlap.Stopped:
+          if errors:
+            raise errors[0] from None
+          break
+        done += 1
+    finally:
+      sampler.close()
+    receiver.join(60)
+    return done
+  finally:
+    conn.close()
