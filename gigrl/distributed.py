@@ -11,9 +11,10 @@ Start-up (:func:`initialize`, called by ``gigrl-train`` before anything touches 
 
 Collectives (each is a no-op on one process, and every process must call it, in the same order):
 :func:`barrier`, :func:`any_process` (the preemption agreement), :func:`gather_rows`,
-:func:`gather_objects`, :func:`gather_batch` (a process's rollout rows -> the global rollout
-batch on every host), :func:`gather_owned` (each item from the process that owns it),
-:func:`reduce_metrics`.
+:func:`agree_max`, :func:`gather_objects`, :func:`gather_batch` (a process's rollout rows -> the
+global rollout batch on every host), :func:`gather_owned` (each item from the process that owns
+it), :func:`reduce_metrics`; they move padded bytes, in a few program shapes that
+:func:`warm_up_gathers` compiles before step 1.
 """
 from __future__ import annotations
 
@@ -94,8 +95,50 @@ def any_process(flag: bool) -> bool:
   """
   if jax.process_count() == 1:
     return bool(flag)
+  return bool(np.any(gather_rows(np.asarray([bool(flag)]))))
+
+
+def agree_max(x: int) -> int:
+  """The largest ``x`` over processes (every process takes the same static size)."""
+  if jax.process_count() == 1:
+    return int(x)
+  return int(np.max(gather_rows(np.asarray([int(x)], np.int64))))
+
+
+# Host gathers move bytes, padded to a power of two of at least 4 KiB: jax's process_allgather
+# compiles one program per shape, so whatever arrays and lists a step gathers, they run one of a
+# few programs, which :func:`warm_up_gathers` compiles before step 1 (#50: no compile in a step).
+GATHER_MIN_BYTES = 1 << 12
+
+
+def gather_bucket(nbytes: int) -> int:
+  """The padded size, in bytes, of a host gather of ``nbytes`` bytes."""
+  return max(GATHER_MIN_BYTES, 1 << max(int(nbytes) - 1, 0).bit_length())
+
+
+def _gather_bytes(data: np.ndarray, size: int) -> np.ndarray:
+  """u8[processes, size]: every process's ``data`` (u8[n], n <= ``size``, zero-padded), in
+  process order."""
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  return bool(np.any(multihost_utils.process_allgather(np.asarray(bool(flag)))))
+  buf = np.zeros((1, size), np.uint8)
+  buf[0, :data.size] = data
+  return np.asarray(multihost_utils.process_allgather(buf, tiled=True))
+
+
+def warm_up_gathers(max_bytes: int) -> int:
+  """Runs a host gather of every padded size up to :func:`gather_bucket` of ``max_bytes`` (zeros),
+  so that none compiles inside a step; a collective (every process calls it, at the same point).
+  Returns the number of sizes (0 on one process)."""
+  if jax.process_count() == 1:
+    return 0
+  sizes = []
+  size = GATHER_MIN_BYTES
+  while size <= gather_bucket(max_bytes):
+    sizes.append(size)
+    size *= 2
+  for size in sizes:
+    _gather_bytes(np.zeros(0, np.uint8), size)
+  return len(sizes)
 
 
 def process_rows(num_rows: int) -> slice:
@@ -112,12 +155,16 @@ def process_rows(num_rows: int) -> slice:
 
 
 def gather_rows(x: np.ndarray) -> np.ndarray:
-  """Concatenates every process's ``x`` (same shape on each) along dim 0, in process order."""
+  """Concatenates every process's ``x`` (same shape and dtype on each) along dim 0, in process
+  order (a 0-d ``x``: stacked, [processes]). Exact: the bytes move, padded to
+  :func:`gather_bucket`."""
   x = np.asarray(x)
   if jax.process_count() == 1:
     return x
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  flat = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+  parts = [np.frombuffer(p[:flat.size].tobytes(), x.dtype).reshape(x.shape)
+           for p in _gather_bytes(flat, gather_bucket(flat.size))]
+  return np.concatenate(parts, axis=0) if x.ndim else np.stack(parts)
 
 
 def fetch(x: Any) -> np.ndarray:
@@ -138,9 +185,7 @@ def gather_objects(items: Sequence[Any]) -> list[Any]:
     return list(items)
   data = np.frombuffer(json.dumps(list(items)).encode("utf-8"), np.uint8)
   sizes = gather_rows(np.asarray([data.size], np.int64))
-  padded = np.zeros(int(sizes.max()), np.uint8)
-  padded[:data.size] = data
-  parts = gather_rows(padded[None])
+  parts = _gather_bytes(data, gather_bucket(int(sizes.max())))
   out: list[Any] = []
   for part, size in zip(parts, sizes):
     out += json.loads(part[:int(size)].tobytes().decode("utf-8"))

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gigrl import distributed
 from gigrl.rollout import progress
 from gigrl.rollout import shapes
 from gigrl.models import sampler as sampler_lib
@@ -227,7 +228,7 @@ class HostLoopEngine:
       obs: list[list[int]] = [[] for _ in range(b)]
       for i, ids, done in zip(live, outcome.observations, outcome.done):
         obs[i], active[i] = ids, not done
-      if turn == s.max_turns or not turns.any_process(active.any()):
+      if turn == s.max_turns or not distributed.any_process(active.any()):
         break
       t0 = time.perf_counter()
       progress.report(f"rollout turn {turn + 1}/{s.max_turns + 1}: "
@@ -250,7 +251,7 @@ class HostLoopEngine:
     Collective on several processes: every process takes the same stats."""
     mine = shapes.prompt_stats(prompts) if prompts else None
     if self.prompt_stats is not None:
-      if not turns.any_process(not self.prompt_stats.covers(prompts)):
+      if not distributed.any_process(not self.prompt_stats.covers(prompts)):
         return
       self.widened += 1
       mine = self.prompt_stats if mine is None else self.prompt_stats.merge(mine)
@@ -296,7 +297,7 @@ class HostLoopEngine:
       for i in live:
         gen[i] += toks[i, :lens[i]].tolist()
         gen_lp[i] += lps[i, :lens[i]].tolist()
-      took = int(turns.agree_max(int(lens.max(initial=0))))
+      took = int(distributed.agree_max(int(lens.max(initial=0))))
       steps += took
       work["rollout/token_rows"] += took * computed
       work["rollout/slot_reads"] += took * computed * (span or s_max)
@@ -308,7 +309,7 @@ class HostLoopEngine:
       pos += lens
       left -= lens.astype(np.int32)
       going &= ~stopped.astype(bool) & (left > 0) & (pos < s_max)
-      if not turns.any_process(going.any()):
+      if not distributed.any_process(going.any()):
         break
     work[f"rollout/decode_steps/turn={turn}"] = float(steps)
     return cache, logits, gen, gen_lp
@@ -494,7 +495,7 @@ class HostLoopEngine:
   @staticmethod
   def _agree(x: int) -> int:
     """The largest ``x`` over processes (static shapes must be equal on every process)."""
-    return turns.agree_max(x)
+    return distributed.agree_max(x)
 
   def _rows(self, local: np.ndarray):
     """Per-row host data for the jitted programs: numpy on one process, else a global array

@@ -336,21 +336,3 @@ def local_rows(x: jax.Array | np.ndarray) -> np.ndarray:
   for shard in x.addressable_shards:
     parts.setdefault(shard.index[0].start or 0, shard.data)
   return np.concatenate([np.asarray(parts[k]) for k in sorted(parts)], axis=0)
-
-
-def any_process(flag: bool) -> bool:
-  """True if ``flag`` is True on any process (every process must call it; a collective when
-  there are several)."""
-  if jax.process_count() == 1:
-    return bool(flag)
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
-
-
-def agree_max(x: int) -> int:
-  """The largest ``x`` over processes (a static size must be equal on every process; every
-  process must call it: an all-gather of one integer when there are several)."""
-  if jax.process_count() == 1:
-    return int(x)
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  return int(np.max(multihost_utils.process_allgather(np.asarray(int(x), np.int64))))

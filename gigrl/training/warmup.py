@@ -35,6 +35,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from gigrl import distributed
 from gigrl.rollout import shapes
 from gigrl.rollout import turns
 from gigrl.update import batch as batch_lib
@@ -356,6 +357,18 @@ def warm_up_sampler(s, eval_questions: Sequence[Any], log: Callable[[str], None]
     return
   _compile_logged(engine_programs(s.engine.engine, s.policy.rollout_params(s.policy.params),
                                   rows, "rollout"), [s.engine.engine], log)
+  _warm_up_gathers(s.pool.num_candidates * int(s.cfg.data.group_size), s.settings.seq_len, log)
+
+
+def _warm_up_gathers(rows: int, seq_len: int, log: Callable[[str], None]) -> float:
+  """On several processes, the host gathers' programs (:func:`distributed.warm_up_gathers`),
+  up to the largest a rollout makes: ``rows`` rows of ``seq_len`` 8-byte values. Seconds."""
+  t0 = time.perf_counter()
+  n = distributed.warm_up_gathers(rows * seq_len * 8)
+  if n:
+    log(f"warm-up: host gathers of {n} sizes ({distributed.GATHER_MIN_BYTES} bytes to "
+        f"{distributed.gather_bucket(rows * seq_len * 8)})")
+  return time.perf_counter() - t0
 
 
 def _compile_logged(programs: Sequence[RunProgram], engines: Sequence[Any],
@@ -381,4 +394,7 @@ def warm_up(t, start: int, demos, log: Callable[[str], None]) -> dict[str, float
   set_up_engines(t)
   secs = _compile_logged(plan_run(t, start, demos),
                          [t.engine.engine, t.evaluator.engine().engine], log)
+  rows = max(t.pool.num_candidates * int(t.cfg.data.group_size),
+             int(t.cfg.train.eval_batch_size) or int(t.cfg.train.eval_questions))
+  secs += _warm_up_gathers(rows, t.settings.seq_len, log)
   return {"time/warmup_compile_s": secs}
