@@ -494,6 +494,32 @@ def test_params_pieces_assemble_to_the_trainer_params():
   np.testing.assert_array_equal(got[1], b)
 
 
+def test_a_sampler_process_is_forwarded_the_shards_it_holds():
+  """A sampler process other than 0 names the shards its devices hold (``own_shards``), and
+  process 0 forwards it those slices of each version (``shards_for``): here an FSDP leaf over
+  the 8 simulated devices (8 shards of 8 rows) and a replicated one (whole), each slice equal to
+  the leaf at that shard's index."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax.sharding import Mesh, NamedSharding  # pylint: disable=import-outside-toplevel
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  from gigrl.training import sampler_process  # pylint: disable=import-outside-toplevel
+  mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+  a = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
+  b = np.arange(5, dtype=np.int32)
+  params = {"a": jax.device_put(a, NamedSharding(mesh, P("fsdp"))),
+            "b": jax.device_put(b, NamedSharding(mesh, P()))}
+  wanted = sampler_process.own_shards(params)
+  assert len(wanted[0]) == len(jax.devices()) and wanted[1] == [((0, 5),)]
+  got = sampler_process.shards_for({0: a, 1: b}, wanted)
+  assert sum(x.nbytes for x in got[0].values()) == a.nbytes
+  for x, host in zip(jax.tree.leaves(params), (a, b)):
+    i = 0 if host is a else 1
+    for index in x.sharding.addressable_devices_indices_map(x.shape).values():
+      key = sampler_process._shard_key(index, x.shape)  # pylint: disable=protected-access
+      np.testing.assert_array_equal(got[i][key], host[index])
+
+
 def test_with_lora_only_the_adapters_are_trained_leaves():
   """``lora.trained_leaf_indices``: with LoRA, the adapter leaves (A and B of each target), which an update
   changes and the sampler is sent after the start; without LoRA, None (every leaf)."""

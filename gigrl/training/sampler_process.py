@@ -93,13 +93,14 @@ class Hello:
   process_index: int
   process_count: int
   role: str = "trainer"
+  shards: dict | None = None     # a sampler process: its :func:`own_shards`
 
 
 @dataclasses.dataclass
 class Version:
-  """Sampler process 0 -> each other sampler process: a version's host leaves as
-  :func:`assemble` made them (``{leaf index: array}``; with ``model.lora`` after the start, the
-  adapters only)."""
+  """Sampler process 0 -> each other sampler process: a version's leaves, the shards that
+  process holds of each (:func:`shards_for`; with ``model.lora`` after the start, the adapters
+  only)."""
   version: int
   leaves: dict
 
@@ -340,17 +341,24 @@ class SamplerSide:
     self.adv_cfg = adv_lib.AdvantageConfig.from_config(cfg.advantage)
     self.device_leaves: list | None = None    # the last params put, by leaf (:meth:`put`)
 
-  def put(self, leaves: dict[int, np.ndarray]) -> Any:
+  def put(self, leaves: dict[int, Any]) -> Any:
     """Host leaves (:func:`assemble`'s, by leaf index) -> params on this process's devices, in
-    the training layout (:func:`overlap.sample_step` turns them into the rollout's). A leaf not
-    given is the last one put (with ``model.lora``: the frozen base, put once)."""
+    the training layout (:func:`overlap.sample_step` turns them into the rollout's). A leaf is
+    a whole array, or (a sampler process other than 0, :func:`own_shards`) the shards this
+    process holds, ``{shard_key: array}``. A leaf not given is the last one put (with
+    ``model.lora``: the frozen base, put once)."""
     ref = jax.tree.leaves(self.policy.params)
     idx = sorted(leaves)
+
+    def shard(i, index):      # this process's shard ``index`` of leaf i
+      x = leaves[i]
+      return x[_shard_key(index, ref[i].shape)] if isinstance(x, dict) else x[index]
+
     put = jax.device_put([leaves[i] for i in idx], [ref[i].sharding for i in idx]) if all(
         ref[i].sharding.is_fully_addressable for i in idx) else [
             # a sampler on several processes: each process puts its own shards of the leaf
-            jax.make_array_from_callback(leaves[i].shape, ref[i].sharding,
-                                         lambda index, x=leaves[i]: x[index]) for i in idx]
+            jax.make_array_from_callback(ref[i].shape, ref[i].sharding,
+                                         functools.partial(shard, i)) for i in idx]
     if self.device_leaves is None:
       if idx != list(range(len(ref))):
         raise RuntimeError(f"the first params put covers leaves {idx}, not all {len(ref)}")
@@ -360,10 +368,36 @@ class SamplerSide:
     return jax.tree.unflatten(jax.tree.structure(self.policy.params), self.device_leaves)
 
 
+def _shard_key(index: tuple, shape: tuple) -> tuple:
+  """A shard's index (a tuple of slices into a leaf of ``shape``) as (start, stop) pairs."""
+  return tuple((sl.start or 0, dim if sl.stop is None else sl.stop)
+               for sl, dim in zip(index, shape))
+
+
+def own_shards(params: Any) -> dict[int, list[tuple]]:
+  """The shards of each leaf (``jax.tree.leaves`` index -> :func:`_shard_key` list) that this
+  process's devices hold: what a sampler process other than 0 asks process 0 to forward."""
+  out = {}
+  for i, x in enumerate(jax.tree.leaves(params)):
+    keys = {_shard_key(index, x.shape)
+            for index in x.sharding.addressable_devices_indices_map(x.shape).values()}
+    out[i] = sorted(keys)
+  return out
+
+
+def shards_for(leaves: dict[int, np.ndarray], wanted: dict[int, list[tuple]]) -> dict:
+  """``{leaf: {shard_key: host array}}``: the shards ``wanted`` (:func:`own_shards` of a
+  process) of the host ``leaves``, so that each sampler process is sent what its devices hold,
+  not every leaf whole."""
+  return {i: {k: np.ascontiguousarray(x[tuple(slice(a, b) for a, b in k)]) for k in wanted[i]}
+          for i, x in leaves.items()}
+
+
 def _accept(address: str, peers: int, timeout: float, log: Callable[[str], None]
             ) -> tuple[list, list]:
   """Listens at ``address`` until every trainer process and the ``peers`` other processes of
-  this sampler have connected: (the trainer's connections, the peers'), each in process order.
+  this sampler have connected: (the trainer's connections, the peers' (connection, its
+  :func:`own_shards`)), each in process order.
 
   Raises:
     ConfigError: naming ``train.sampler_address`` when this host cannot listen there.
@@ -386,7 +420,9 @@ def _accept(address: str, peers: int, timeout: float, log: Callable[[str], None]
       hello = conn.recv()
       if hello.role == "trainer":
         count[0] = int(hello.process_count)
-      conns[hello.role][int(hello.process_index)] = conn
+        conns["trainer"][int(hello.process_index)] = conn
+      else:                             # with the shards to forward it
+        conns["sampler"][int(hello.process_index)] = (conn, hello.shards)
 
   got: list = []
   thread = threading.Thread(target=lambda: got.append(_call(accept)), daemon=True)
@@ -472,7 +508,7 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
 
   On several processes (``jax.distributed``, a cluster of its own, not the trainer's) the
   sampler's process 0 listens, and the others connect to it too: it forwards them each version
-  it assembles (:class:`Version`, the host leaves whole) and a stop; every process runs the same
+  it assembles (:class:`Version`: to each, the shards its devices hold) and a stop; every process runs the same
   schedule on its share of the rows, they agree before each step whether to go on (so all
   sample it or none does), and process 0 alone sends the rollouts.
 
@@ -496,9 +532,10 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
 
   def forward(msg) -> None:    # to the other sampler processes, in order
     with send_lock:
-      for i, c in enumerate(peers, 1):
-        try:
-          c.send(msg)
+      for i, (c, shards) in enumerate(peers, 1):
+        try:     # a version: the shards that process holds
+          c.send(Version(msg.version, shards_for(msg.leaves, shards))
+                 if isinstance(msg, Version) else msg)
         except OSError:
           raise SamplerError(f"sampler process {i} closed its connection to sampler process 0 "
                              f"at train.sampler_address={address}") from None
@@ -582,7 +619,7 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
       with contextlib.suppress(Exception):
         forward(None)
   finally:
-    for c in conns + peers:
+    for c in conns + [c for c, _ in peers]:
       c.close()
   return sent
 
@@ -615,7 +652,7 @@ def _serve_peer(side: SamplerSide, address: str, timeout: float,
   stop. Returns the steps sampled."""
   conn = _connect(address, timeout, log, "sampler")
   me = jax.process_index()
-  conn.send(Hello(me, jax.process_count(), role="sampler"))
+  conn.send(Hello(me, jax.process_count(), role="sampler", shards=own_shards(side.policy.params)))
   lost = (f"sampler process 0 at train.sampler_address={address} closed the connection of "
           f"sampler process {me}")
   try:
