@@ -175,3 +175,19 @@ def test_the_run_set_compiles_for_v5e_and_a_second_call_resumes_it(tmp_path):
   second = _in_child(_run_set, cfg, stages, res)[0]
   assert second == first                               # read back, not compiled again
   assert len(open(res).read().splitlines()) == len(first)
+
+
+def test_the_run_set_has_the_copy_an_asynchronous_sampler_is_published(tmp_path):
+  """With ``train.max_staleness = 1`` each update publishes a device copy for the sampler:
+  gigrl-compile's set has it. For the sampler thread it is the whole params, the reference
+  copy's program (listed once); for a sampler process with LoRA, the adapters alone (#52)."""
+  cfg = _tiny_config()
+  cfg.train.sft_steps, cfg.train.num_steps, cfg.train.eval_questions = 2, 2, 0
+  cfg.rollout.max_obs_tokens, cfg.rollout.max_prompt_tokens = 64, 160
+  cfg.train.max_staleness = 1
+  full = _in_child(_run_set, cfg, ("other",), str(tmp_path / "full.jsonl"))[0]
+  cfg.model.lora.rank, cfg.train.sampler_address = 4, "localhost:1"
+  lora = _in_child(_run_set, cfg, ("other",), str(tmp_path / "lora.jsonl"))[0]
+  size = {label: b for _, label, b, fits, _ in full + lora if fits}
+  assert "copy[reference params]" in size and "copy[published params]" not in size, size
+  assert size["copy[published adapters]"] < size["copy[reference params]"] / 4, size
