@@ -182,6 +182,12 @@ def test_two_processes_match_one(tmp_path, variant):
   assert any(r["phase"] == "rl" and r["reward_mean"] is not None for r in ref)
   if variant == "gigpo":
     _ok(_launch(dir2, 2, engine, extra=extra))
+    # no RL step compiles on 2 processes either. (This run passes without the host gathers'
+    # warm-up too, distributed.warm_up_gathers; test_async's 2-process sampler test is the one
+    # that fails without it.)
+    for r in _metrics(dir2):
+      if r["phase"] == "rl":
+        assert r["time/rollout_compile_s"] == 0 and r["time/update_compile_s"] == 0, r["step"]
     # every step advantage of this tiny run is 0 (no reward, constant penalties), so the anchor
     # ids are compared through gigpo/anchor_group_frac (step groups per valid step)
     rl = [r for r in ref if r["phase"] == "rl"]
