@@ -386,9 +386,10 @@ def test_a_sampler_on_two_processes(tmp_path):
   rows, agree before each step, and group GiGPO's anchor ids of the rows whose strings they hold
   (the trainer could not: that is a collective of the sampler's processes). Every metric of
   every step equals, to 1e-6, the run whose sampler is 1 process x 2 devices, but the rollout's
-  ``weight_reads`` (a count per process, summed over processes), and no step compiles (the
-  host gathers' padded sizes are warmed up: without ``_warm_up_gathers`` step 4 compiles
-  ~0.06 s of them). Try it: leave the anchor ids
+  ``weight_reads`` (a count per process, summed over processes), and no step compiles (the host
+  gathers move bytes padded to a few sizes; unpadded, step 4 compiled ten of jax's gather
+  programs, ~0.4 s; at this size every gather fits the smallest padded size, so the warm-up of
+  the bigger ones is tested in tests/test_host_gathers.py). Try it: leave the anchor ids
   to the trainer (``_sample`` without its grouping) and ``gigpo/anchor_group_frac`` differs
   at step 4 (0.25 against 0.33: the trainer would group sampler process 0's rows only)."""
   gigpo = ["--config.advantage.step=gigpo", "--config.advantage.gigpo.grouping=similarity"]
