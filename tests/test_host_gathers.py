@@ -12,8 +12,6 @@ import socket
 import subprocess
 import sys
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -64,7 +62,6 @@ def _run(tmp_path, warm_up: bool) -> list[dict]:
   return [json.load(open(o)) for o in outs]
 
 
-@pytest.mark.slow
 def test_host_gathers_are_exact_and_compile_nothing_after_the_warm_up(tmp_path):
   warm = _run(tmp_path, True)
   for r in warm:
