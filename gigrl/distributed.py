@@ -131,14 +131,11 @@ def warm_up_gathers(max_bytes: int) -> int:
   Returns the number of sizes (0 on one process)."""
   if jax.process_count() == 1:
     return 0
-  sizes = []
-  size = GATHER_MIN_BYTES
+  size, n = GATHER_MIN_BYTES, 0
   while size <= gather_bucket(max_bytes):
-    sizes.append(size)
-    size *= 2
-  for size in sizes:
     _gather_bytes(np.zeros(0, np.uint8), size)
-  return len(sizes)
+    size, n = size * 2, n + 1
+  return n
 
 
 def process_rows(num_rows: int) -> slice:

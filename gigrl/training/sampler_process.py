@@ -354,11 +354,9 @@ class SamplerSide:
       x = leaves[i]
       return x[_shard_key(index, ref[i].shape)] if isinstance(x, dict) else x[index]
 
-    put = jax.device_put([leaves[i] for i in idx], [ref[i].sharding for i in idx]) if all(
-        ref[i].sharding.is_fully_addressable for i in idx) else [
-            # a sampler on several processes: each process puts its own shards of the leaf
-            jax.make_array_from_callback(ref[i].shape, ref[i].sharding,
-                                         functools.partial(shard, i)) for i in idx]
+    # each process puts its own shards of each leaf (on several processes, only those)
+    put = [jax.make_array_from_callback(ref[i].shape, ref[i].sharding, functools.partial(shard, i))
+           for i in idx]
     if self.device_leaves is None:
       if idx != list(range(len(ref))):
         raise RuntimeError(f"the first params put covers leaves {idx}, not all {len(ref)}")
