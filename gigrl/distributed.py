@@ -18,9 +18,11 @@ it), :func:`reduce_metrics`; they move padded bytes, in a few program shapes tha
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import sys
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -73,6 +75,29 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     jax.distributed.initialize()
     return True
   return False
+
+
+_peer_lost = {"lost": False}
+
+
+def mark_peer_lost() -> None:
+  """Records that another process of this cluster is gone (killed, or its connection lost).
+
+  After that, jax's shutdown at exit would wait at a barrier for the lost process (until
+  ``heartbeat_timeout_seconds``, 100 s) and then abort the survivor with a fatal dump;
+  :func:`exit_if_peer_lost` ends the process at once instead."""
+  _peer_lost["lost"] = True
+
+
+def exit_if_peer_lost(status: int) -> None:
+  """Exits with ``status`` now, without jax's distributed shutdown (or other ``atexit``
+  handlers), if :func:`mark_peer_lost` was called; returns otherwise. stdout and stderr are
+  flushed first. Call it after the one-line error is printed."""
+  if _peer_lost["lost"]:
+    for stream in (sys.stdout, sys.stderr):
+      with contextlib.suppress(Exception):
+        stream.flush()
+    os._exit(status)  # pylint: disable=protected-access
 
 
 def is_main() -> bool:

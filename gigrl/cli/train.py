@@ -84,6 +84,9 @@ def fail(message: str, status: int = 2) -> None:
   script = os.path.basename(sys.argv[0]) if sys.argv else ""
   prog = script if script.startswith("gigrl-") else PROG
   print(f"{prog}: error: {one_line}", file=sys.stderr, flush=True)
+  distributed = sys.modules.get("gigrl.distributed")   # (not imported: no cluster to leave)
+  if distributed is not None:
+    distributed.exit_if_peer_lost(status)   # no shutdown barrier with a process that is gone
   sys.exit(status)
 
 

@@ -535,8 +535,11 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
           c.send(Version(msg.version, shards_for(msg.leaves, shards))
                  if isinstance(msg, Version) else msg)
         except OSError:
+          distributed.mark_peer_lost()
           raise SamplerError(f"sampler process {i} closed its connection to sampler process 0 "
-                             f"at train.sampler_address={address}") from None
+                             f"at train.sampler_address={address}: rerun the trainer and every "
+                             "sampler process to resume from the trainer's last checkpoint"
+                             ) from None
 
   sent = 0
   try:
@@ -591,6 +594,8 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
           if errors:
             raise errors[0] from None
           break
+        except jax.errors.JaxRuntimeError as e:
+          raise _lost_process(e, address) from None
         data = pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL)     # once, for every process
         for i, c in enumerate(conns):
           try:
@@ -620,6 +625,24 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
     for c in conns + [c for c, _ in peers]:
       c.close()
   return sent
+
+
+def _lost_process(err: Exception, address: str) -> Exception:
+  """What a sampler process raises when a collective of the sampler's processes failed
+  (``err``, a ``JaxRuntimeError``, e.g. gloo's "Connection reset by peer" when another sampler
+  process was killed): on several processes, a :class:`SamplerError` (one line, exit 2) that
+  says to rerun, and the cluster is marked as having lost a process (the exit skips jax's
+  shutdown barrier, which would wait 100 s for the lost process and then abort); on one
+  process, ``err`` itself (a device error, not a lost process)."""
+  if jax.process_count() == 1:
+    return err
+  distributed.mark_peer_lost()
+  first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+  return SamplerError(
+      f"sampler process {jax.process_index()}: a collective of the sampler's "
+      f"{jax.process_count()} processes failed ({type(err).__name__}: {first}), so one of them "
+      f"is gone or failed: rerun the trainer and every sampler process "
+      f"(train.sampler_address={address}) to resume from the trainer's last checkpoint")
 
 
 def _start_sampler(side: SamplerSide, start: Start, params: dict,
@@ -657,6 +680,7 @@ def _serve_peer(side: SamplerSide, address: str, timeout: float,
     try:
       start, first = conn.recv(), conn.recv()
     except (EOFError, OSError):
+      distributed.mark_peer_lost()
       raise SamplerError(lost + " before RL started") from None
     if start is None:
       return 0
@@ -668,6 +692,7 @@ def _serve_peer(side: SamplerSide, address: str, timeout: float,
         while (msg := conn.recv()) is not None:
           sampler.publish(msg.leaves, msg.version)
       except (EOFError, OSError):
+        distributed.mark_peer_lost()
         errors.append(SamplerError(lost))
       except BaseException as e:  # pylint: disable=broad-except
         errors.append(e)
@@ -684,6 +709,8 @@ def _serve_peer(side: SamplerSide, address: str, timeout: float,
           if errors:
             raise errors[0] from None
           break
+        except jax.errors.JaxRuntimeError as e:
+          raise _lost_process(e, address) from None
         done += 1
     finally:
       sampler.close()
