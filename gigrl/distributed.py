@@ -89,6 +89,33 @@ def mark_peer_lost() -> None:
   _peer_lost["lost"] = True
 
 
+# What a failed collective says when another process is gone: gloo's transport (CPU), the
+# coordination service's verdict (any backend).
+_LOST_SIGNS = ("Connection reset by peer", "Connection closed by peer", "heartbeat timeout",
+               "stopped sending heartbeats")
+
+
+def lost_process(err: BaseException | None) -> bool:
+  """True when ``err`` (or an exception in its ``__cause__`` / ``__context__`` chain) is a
+  ``JaxRuntimeError`` saying that another process of this run is gone (a collective's peer
+  reset its connection, or the coordination service missed its heartbeats); it then calls
+  :func:`mark_peer_lost`. False on one process, and for any other error (a device's own
+  failure keeps its traceback)."""
+  seen = set()
+  while err is not None and id(err) not in seen and jax.process_count() > 1:
+    if isinstance(err, jax.errors.JaxRuntimeError) and any(m in str(err) for m in _LOST_SIGNS):
+      mark_peer_lost()
+      return True
+    seen.add(id(err))
+    err = err.__cause__ or err.__context__
+  return False
+
+
+def peer_was_lost() -> bool:
+  """Whether :func:`mark_peer_lost` was called (then no wait on the other processes can end)."""
+  return _peer_lost["lost"]
+
+
 def exit_if_peer_lost(status: int) -> None:
   """Exits with ``status`` now, without jax's distributed shutdown (or other ``atexit``
   handlers), if :func:`mark_peer_lost` was called; returns otherwise. stdout and stderr are

@@ -406,7 +406,7 @@ def test_a_sampler_on_two_processes(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("killed,processes,samplers", [
-    ("sampler", 0, 1), ("sampler", 2, 1), ("trainer", 0, 1),
+    ("sampler", 0, 1), ("sampler", 2, 1), ("trainer", 0, 1), ("trainer process 1 of 2", 2, 1),
     ("sampler process 1 of 2", 0, 2), ("sampler process 0 of 2", 0, 2)])
 def test_a_killed_process_loses_nothing(tmp_path, killed, processes, samplers):
   """SIGKILL the sampler process (or the trainer, or one process of a sampler on 2 processes)
@@ -424,8 +424,8 @@ def test_a_killed_process_loses_nothing(tmp_path, killed, processes, samplers):
   deadline, ckpt = time.time() + 600, work / "checkpoints" / "6"
   while not ckpt.exists() and trainers[0].poll() is None and time.time() < deadline:
     time.sleep(0.05)
-  victim = {"sampler": procs[-1], "trainer": trainers[0], "sampler process 1 of 2": procs[-1],
-            "sampler process 0 of 2": procs[-2]}[killed]
+  victim = {"sampler": procs[-1], "trainer": trainers[0], "trainer process 1 of 2": procs[1],
+            "sampler process 1 of 2": procs[-1], "sampler process 0 of 2": procs[-2]}[killed]
   others = [p for p in procs if p is not victim]
   victim.send_signal(signal.SIGKILL)
   victim.wait()
@@ -435,12 +435,13 @@ def test_a_killed_process_loses_nothing(tmp_path, killed, processes, samplers):
     assert ckpt.exists(), err[-4000:]
     assert proc.returncode == 2, err[-4000:]
     last = err.strip().splitlines()[-1]
-    assert last.startswith("gigrl-train: error:") and "train.sampler_address" in last, last
+    assert last.startswith("gigrl-train: error:"), last
+    assert "train.sampler_address" in last or "rerun every process" in last, last
     assert "Traceback" not in err, err[-4000:]
   # the steps trained before the loss are kept: the last one is checkpointed
   trained = max(r["step"] for r in _rl(work))
   last_ckpt = max(int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit())
-  assert last_ckpt == trained if killed != "trainer" else last_ckpt <= trained
+  assert last_ckpt == trained if "trainer" not in killed else last_ckpt <= trained
   _finish(*_start_pair(work, _free_port(), processes=processes, samplers=samplers))
   rl = _rl(work)
   assert [r["step"] for r in rl] == list(range(4, 10))

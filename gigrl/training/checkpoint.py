@@ -24,6 +24,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from gigrl import config_utils
+from gigrl import distributed
 from gigrl.training import state as state_lib
 
 
@@ -145,6 +146,11 @@ class Checkpointer:
         f"above); move that directory away to start the run over")
 
   def close(self) -> None:
+    """Waits for the last save to finish, then closes. Not when another process of the run is
+    gone (:func:`distributed.peer_was_lost`): the save's barrier could never pass, and the
+    unfinished save is not one :meth:`restore` reads."""
+    if distributed.peer_was_lost():
+      return
     self.manager.wait_until_finished()
     self.manager.close()
 

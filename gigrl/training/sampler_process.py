@@ -629,19 +629,18 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
 
 def _lost_process(err: Exception, address: str) -> Exception:
   """What a sampler process raises when a collective of the sampler's processes failed
-  (``err``, a ``JaxRuntimeError``, e.g. gloo's "Connection reset by peer" when another sampler
-  process was killed): on several processes, a :class:`SamplerError` (one line, exit 2) that
-  says to rerun, and the cluster is marked as having lost a process (the exit skips jax's
-  shutdown barrier, which would wait 100 s for the lost process and then abort); on one
-  process, ``err`` itself (a device error, not a lost process)."""
-  if jax.process_count() == 1:
+  (``err``, a ``JaxRuntimeError``): when it says another process is gone
+  (:func:`distributed.lost_process`, e.g. gloo's "Connection reset by peer" when another sampler
+  process was killed), a :class:`SamplerError` (one line, exit 2) that says to rerun, the
+  cluster marked as having lost a process (the exit skips jax's shutdown barrier, which would
+  wait 100 s for it and then abort the survivor); otherwise ``err`` itself."""
+  if not distributed.lost_process(err):
     return err
-  distributed.mark_peer_lost()
-  first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+  first = str(err).strip().splitlines()[0]
   return SamplerError(
       f"sampler process {jax.process_index()}: a collective of the sampler's "
       f"{jax.process_count()} processes failed ({type(err).__name__}: {first}), so one of them "
-      f"is gone or failed: rerun the trainer and every sampler process "
+      f"is gone: rerun the trainer and every sampler process "
       f"(train.sampler_address={address}) to resume from the trainer's last checkpoint")
 
 

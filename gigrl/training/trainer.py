@@ -152,6 +152,7 @@ class Trainer:
     finally:
       overlap.close(self.sampler)
       bar.close()
+      distributed.lost_process(sys.exc_info()[1])   # another process gone: close() cannot wait
       ckpts.ckpt.close()
 
   def _begin_rl(self) -> None:
