@@ -256,3 +256,26 @@ def test_a_sampler_process_is_published_the_adapters_by_a_planned_program():
   assert not _after["names"], dict(_after["names"])
   cfg.train.max_staleness = 0
   assert warmup.published_copy(cfg, params, True, reference_listed=True) is None
+
+
+def test_compile_seconds_are_the_calling_threads():
+  """``progress.compile_seconds`` counts the calling thread's compiles only: with k >= 1 the
+  sampler thread's rollout runs beside the update, and a compile on one must not show in the
+  other's ``time/*_compile_s``. Try it: count every thread's compiles in one total, and this
+  thread sees the other's compile."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import threading  # pylint: disable=import-outside-toplevel
+  from gigrl.rollout import progress  # pylint: disable=import-outside-toplevel
+  mine = progress.compile_seconds()
+  theirs = {}
+
+  def other():
+    before = progress.compile_seconds()
+    jax.jit(lambda x: x * 3.0 + 1.0)(np.arange(11.0)).block_until_ready()   # a new program
+    theirs["s"] = progress.compile_seconds() - before
+
+  th = threading.Thread(target=other)
+  th.start()
+  th.join()
+  assert theirs["s"] > 0
+  assert progress.compile_seconds() == mine

@@ -9,7 +9,9 @@ Used by every stage; imports only jax.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import threading
 from typing import Callable, Iterator
 
 import jax
@@ -38,20 +40,23 @@ def reporting(fn: Callable[[str], None]) -> Iterator[None]:
 _COMPILE_EVENTS = frozenset(("/jax/core/compile/jaxpr_trace_duration",
                              "/jax/core/compile/jaxpr_to_mlir_module_duration",
                              "/jax/core/compile/backend_compile_duration"))
-_compiling = {"s": 0.0, "listening": False}
+_compiling = {"listening": False}
+_seconds_by_thread: dict[int, float] = collections.defaultdict(float)
 
 
 def _on_duration(event: str, secs: float, *_, **__) -> None:
-  if event in _COMPILE_EVENTS:
-    _compiling["s"] += secs
+  if event in _COMPILE_EVENTS:     # jax reports a compile's phases in the thread that compiles
+    _seconds_by_thread[threading.get_ident()] += secs
 
 
 def compile_seconds() -> float:
-  """Seconds jax has spent compiling (tracing, lowering, XLA) in this process since the first
-  call; a difference around a call is what that call paid for new programs (0.0 when every
-  program it ran was compiled before). A duration, not a count: a resumed run compiles again,
-  and its metrics lines must equal an uninterrupted run's but for timings."""
+  """Seconds jax has spent compiling (tracing, lowering, XLA) in the calling thread since the
+  first call; a difference around a call is what that call paid for new programs (0.0 when every
+  program it ran was compiled before). Per thread, so that with ``train.max_staleness >= 1`` a
+  compile on the sampler thread is never booked to the update running beside it, nor the
+  reverse. A duration, not a count: a resumed run compiles again, and its metrics lines must
+  equal an uninterrupted run's but for timings."""
   if not _compiling["listening"]:
     jax.monitoring.register_event_duration_secs_listener(_on_duration)
     _compiling["listening"] = True
-  return _compiling["s"]
+  return _seconds_by_thread[threading.get_ident()]
