@@ -15,6 +15,14 @@ same each step and in both runs):
   core 1 (``train.sampler_address``, ``os.sched_setaffinity``): the two halves overlap, each on
   one core. The off-policy correction (``tis``) is on, as a k = 1 run would have it.
 
+* ``thread`` (``--layouts sync,thread``, for one GPU): k = 1 with the sampler in a thread of the
+  same process, on the same device (the default place of the sampler): the rollout's host work
+  (searches, tokenising, the host loop) overlaps the update's device work.
+
+``--set FIELD=VALUE`` adds a config override to every run (e.g. ``train.compile_cache=DIR``, so
+the second run reads the first's compiled programs). On a GPU set ``JAX_PLATFORMS=cuda``
+(``launch/gpu_async.sh`` runs the whole check there).
+
 For each it prints the median ``step_time_s`` over the RL steps after the first (the first fills
 the pipeline), the median rollout and update seconds, the sampler's and the trainer's idle
 seconds, and the wall seconds of the whole RL phase; then the ratio split / sync (below 1: the
@@ -38,8 +46,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/countries.py:smollm2-135m-engaged"
 
 
-def _args(workdir: str, steps: int, init_from: str, extra: list[str]) -> list[str]:
-  out = [sys.executable, "-m", "gigrl.cli.train", "--config", CONFIG, "--workdir", workdir,
+def _args(workdir: str, steps: int, init_from: str, extra: list[str],
+          config: str = CONFIG) -> list[str]:
+  out = [sys.executable, "-m", "gigrl.cli.train", "--config", config, "--workdir", workdir,
          f"--config.train.num_steps={steps}", "--config.train.eval_every=0",
          "--config.train.eval_questions=0", "--config.checkpoint.every_steps=1000",
          "--config.data.pool.rule=grpo", "--config.data.pool.oversample=1", *extra]
@@ -54,28 +63,44 @@ def _pinned(cores: set[int] | None):
   return None if cores is None else (lambda: os.sched_setaffinity(0, cores))
 
 
+def _accelerator() -> str:
+  """The GPUs ``nvidia-smi -L`` lists when the runs use one (``JAX_PLATFORMS`` cuda / gpu)."""
+  if os.environ.get("JAX_PLATFORMS", "cpu") not in ("cuda", "gpu"):
+    return "none (CPU)"
+  try:
+    return subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError) as e:
+    return f"unknown ({e})"
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("localhost", 0))
     return s.getsockname()[1]
 
 
-def run(name: str, out_dir: str, steps: int, init_from: str) -> dict:
-  """Runs one layout (``sync`` or ``split``); returns its figures."""
+ASYNC = ["--config.train.max_staleness=1", "--config.loss.off_policy_correction=tis"]
+
+
+def run(name: str, out_dir: str, steps: int, init_from: str, sets: list[str],
+        config: str = CONFIG) -> dict:
+  """Runs one layout (``sync``, ``split`` or ``thread``); returns its figures."""
   work = os.path.join(out_dir, name)
   env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
   env.pop("XLA_FLAGS", None)
   procs = []
   t0 = time.perf_counter()
-  if name == "sync":
-    procs.append(subprocess.Popen(_args(work, steps, init_from, []), cwd=ROOT, env=env,
-                                  stdout=subprocess.DEVNULL,
+  sets = [f"--config.{kv}" for kv in sets]
+  if name in ("sync", "thread"):
+    procs.append(subprocess.Popen(_args(work, steps, init_from,
+                                        sets + (ASYNC if name == "thread" else []), config),
+                                  cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                                   stderr=open(work + ".log", "w")))
   else:
-    extra = ["--config.train.max_staleness=1", "--config.loss.off_policy_correction=tis",
-             f"--config.train.sampler_address=localhost:{_free_port()}"]
+    extra = [*sets, *ASYNC, f"--config.train.sampler_address=localhost:{_free_port()}"]
     for cores, role, flag in (({1}, "trainer", []), ({0}, "sampler", ["--sampler"])):
-      procs.append(subprocess.Popen(_args(work, steps, init_from, extra) + flag, cwd=ROOT,
+      procs.append(subprocess.Popen(_args(work, steps, init_from, extra, config) + flag, cwd=ROOT,
                                     env=env, preexec_fn=_pinned(cores),
                                     stdout=subprocess.DEVNULL,
                                     stderr=open(f"{work}.{role}.log", "w")))
@@ -104,23 +129,36 @@ def main() -> None:
   ap.add_argument("--steps", type=int, default=6, help="RL steps of each run")
   ap.add_argument("--runs", default="runs/async_cpu", help="the runs' workdirs (replaced)")
   ap.add_argument("--out", default="", help="write the figures here as JSON")
+  ap.add_argument("--layouts", default="sync,split",
+                  help="two of sync, split, thread: the reference, then the one compared")
+  ap.add_argument("--config", default="",
+                  help=f"the runs' config (default {CONFIG}; a dry run: configs/smoke.py)")
+  ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                  help="a config override for every run (repeatable)")
   a = ap.parse_args()
-  if os.cpu_count() < 2:
-    raise SystemExit("async_cpu.py: needs 2 cores (one for the sampler, one for the trainer)")
+  config = a.config or CONFIG
+  ref, other = a.layouts.split(",")
+  if "split" in (ref, other) and os.cpu_count() < 2:
+    raise SystemExit("async_cpu.py: split needs 2 cores (one for the sampler, one for the "
+                     "trainer)")
   subprocess.run(["rm", "-rf", a.runs], check=True)
   os.makedirs(a.runs)
-  res = {name: run(name, a.runs, a.steps, a.init_from) for name in ("sync", "split")}
-  s, p = res["sync"], res["split"]
-  print(f"{'':28s} {'sync (k=0, 2 cores)':>22s} {'split (k=1, 1+1 core)':>22s} {'ratio':>7s}")
+  res = {name: run(name, a.runs, a.steps, a.init_from, a.set, config) for name in (ref, other)}
+  s, p = res[ref], res[other]
+  label = {"sync": "sync (k=0)", "split": "split (k=1, 1+1 core)",
+           "thread": "thread (k=1, 1 device)"}
+  print(f"{'':28s} {label[ref]:>22s} {label[other]:>22s} {'ratio':>7s}")
   for key in ("step_s_median", "rollout_s_median", "update_s_median", "sampler_idle_s_median",
               "trainer_idle_s_median", "rl_phase_s"):
     ratio = p[key] / s[key] if s[key] else float("nan")
     print(f"{key:28s} {s[key]:22.1f} {p[key]:22.1f} {ratio:6.2f}x")
   ratio = p["step_s_median"] / s["step_s_median"]
-  print(f"step time split / sync: {ratio:.2f}x ({'split faster' if ratio < 1 else 'sync faster'})"
+  print(f"step time {other} / {ref}: {ratio:.2f}x "
+        f"({other + ' faster' if ratio < 1 else ref + ' faster'})"
         f"; trained groups a step {s['trained_groups']} / {p['trained_groups']}")
-  _machine.write_record(a.out, "async_cpu.py", sys.argv[1:], machine_key="device", config=CONFIG,
-                        sync=s, split=p, ratio_split_over_sync=ratio)
+  _machine.write_record(a.out, "async_cpu.py", sys.argv[1:], machine_key="device", config=config,
+                        accelerator=_accelerator(),
+                        **{ref: s, other: p, f"ratio_{other}_over_{ref}": ratio})
   if a.out:
     print(f"wrote {a.out}")
 
