@@ -289,3 +289,43 @@ def test_packing_only_where_it_pays_and_the_loss_allows():
   assert not update_lib.packing_allowed("seq-mean-token-sum")
   assert not update_lib.packing_allowed("token-mean", lora_dropout=0.1)
   assert config_lib.base_config().train.pack_update_rows is False    # opt-in: slower on CPU
+
+
+def test_micro_batches_of_zero_advantage_rows_run_forward_only(monkeypatch):
+  """Without a KL loss or an entropy bonus a token with advantage 0 adds exactly zero gradient,
+  so a micro-batch of a zero-variance group's rows (trained under the ``grpo`` rule) runs its
+  forward pass only, for the metrics: the same update and metrics as computing its gradient,
+  and ``update/micro_batches_forward_only`` counts it. Micro-batches of 4 rows: group 1's rows
+  share one with group 0's unless ``ppo_update`` orders the zero-advantage rows last. Try it:
+  order them as before (the count is 0), or let the step see no advantage as non-zero (the
+  params and losses differ)."""
+  cfg, policy = _cfg(micro_batch_size=4), _policy(0)
+  cfg.loss.use_kl_loss, cfg.loss.entropy_coeff = False, 0.0
+  adv = _advantages()
+  adv[1] = 0.0                              # group 1: zero variance, trained (VALID)
+  b = _batch()
+
+  def update(steps):
+    mini, micro = build.ppo_rows(cfg)
+    opt = steps.init_opt(steps.rl_tx, policy.params)
+    copy = lambda tree: jax.tree.map(lambda x: x.copy(), tree)
+    return update_lib.rl_update(
+        steps, copy(policy.params), opt, _policy(1).params, b, ROWS, VALID, adv,
+        put=lambda x: build.put_rows(policy.mesh, x), mini_batch_rows=mini,
+        micro_batch_rows=micro, epochs=1, seed=0, step=1, trim_padding=True,
+        max_lm_positions=build.max_generated_tokens(cfg))
+
+  on = update(build.build_steps(cfg, policy))
+  with monkeypatch.context() as m:
+    m.setattr(update_lib, "zero_advantage_adds_nothing", lambda _: False)
+    off = update(build.build_steps(cfg, policy))
+  assert on[2]["update/micro_batches_forward_only"] == 1
+  assert off[2]["update/micro_batches_forward_only"] == 0
+  for k in ("loss", "pg_loss", "entropy", "grad_norm", "pg_clipfrac", "ppo_kl"):
+    np.testing.assert_allclose(on[2][k], off[2][k], rtol=1e-5, atol=1e-7, err_msg=k)
+  assert on[2]["grad_norm"] > 0 and on[2]["entropy"] > 0
+  for a, c, w in zip(_leaves(on[0]), _leaves(off[0]), _leaves(policy.params)):
+    np.testing.assert_allclose(a - w, c - w, rtol=1e-4, atol=1e-8)
+  # with an entropy bonus a zero advantage still has a gradient: nothing runs forward only
+  cfg.loss.entropy_coeff = 0.01
+  assert update(build.build_steps(cfg, policy))[2]["update/micro_batches_forward_only"] == 0

@@ -400,6 +400,9 @@ class Steps:
     behaviour: the RL steps take the sampler's log-probs (f32[R, W], after
       ``token_advantages`` in ``rl_step``, after ``old_logprobs`` in ``ppo_step``): the
       off-policy correction is on (:func:`uses_behaviour`).
+    skip_zero_advantage: a micro-batch whose loss tokens all have advantage 0 runs forward only
+      in ``ppo_step`` (:func:`gigrl.update.step.zero_advantage_adds_nothing`); the update orders
+      such rows after the others.
   """
   sft_tx: optax.GradientTransformation
   rl_tx: optax.GradientTransformation
@@ -410,6 +413,7 @@ class Steps:
   ppo_step: Callable = None
   logprob_step: Callable = None
   behaviour: bool = False
+  skip_zero_advantage: bool = False
 
 
 def uses_behaviour(cfg: ml_collections.ConfigDict) -> bool:
@@ -482,7 +486,8 @@ def build_steps(cfg: ml_collections.ConfigDict, policy: Policy) -> Steps:
   return Steps(sft_tx=sft_tx, rl_tx=rl_tx, opt_sh=opt_sh,
                sft_step=in_mesh(sft_step, policy.mesh), rl_step=in_mesh(rl_step, policy.mesh),
                init_opt=init_opt, ppo_step=ppo_step, logprob_step=logprob_step,
-               behaviour=behaviour)
+               behaviour=behaviour, skip_zero_advantage=update_lib.zero_advantage_adds_nothing(
+                   loss_lib.kwargs_from_config(cfg.loss)))
 
 
 # ------------------------------------------------------------------------------ advantages
