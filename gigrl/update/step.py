@@ -489,6 +489,7 @@ def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: 
     raise ValueError("make_ppo_step: packed rows need on_policy=True (one update a step)")
   mode = loss_options["loss_agg_mode"]
   lsf = loss_options["loss_scale_factor"]
+  skip_zero = zero_advantage_adds_nothing(loss_options)
 
   def step(params, opt_state, ref_params, tokens, loss_mask, token_advantages, old_logprobs,
            *rest, lm_positions):
@@ -537,8 +538,6 @@ def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: 
       _, m = micro_loss(to_full(trained), ref_params, tok, mask, adv, old, *rest, denom)
       w = mask[:, 1:].sum() / n_tok
       return zeros[0], {k_: (v * w if k_ in _TOKEN_MEAN_METRICS else v) for k_, v in m.items()}
-
-    skip_zero = zero_advantage_adds_nothing(loss_options)
 
     def body(acc, x):
       # A micro-batch without loss tokens (rows of groups the step does not train) adds
