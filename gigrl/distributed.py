@@ -111,6 +111,14 @@ def lost_process(err: BaseException | None) -> bool:
   return False
 
 
+def lost_process_message(err: BaseException) -> str:
+  """The first half of the one-line error for :func:`lost_process`'s ``err``: which process saw
+  which collective fail (its message's first line); the caller adds what to rerun."""
+  first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+  return (f"process {jax.process_index()}: a collective of the {jax.process_count()} "
+          f"processes failed ({type(err).__name__}: {first}), so one of them is gone")
+
+
 def peer_was_lost() -> bool:
   """Whether :func:`mark_peer_lost` was called (then no wait on the other processes can end)."""
   return _peer_lost["lost"]

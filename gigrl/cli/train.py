@@ -229,7 +229,6 @@ def main(argv: list[str]) -> None:
     fail("--workdir is required, e.g. --workdir runs/smoke (see --help)")
   logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
   # Multi-process (one per host): explicit coordinator flags / env, or a multi-host TPU VM.
-  import jax  # pylint: disable=g-import-not-at-top
   from gigrl import distributed  # pylint: disable=g-import-not-at-top
   try:
     distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
@@ -255,10 +254,8 @@ def main(argv: list[str]) -> None:
         raise
       cause = _cause_of_type(e, (UserError, SearchError))
       if cause is None and distributed.lost_process(e):
-        first = str(e).strip().splitlines()[0]
-        fail(f"process {jax.process_index()}: a collective of the run's {jax.process_count()} "
-             f"processes failed ({type(e).__name__}: {first}), so one of them is gone: rerun "
-             "every process to resume from the last checkpoint")
+        fail(f"{distributed.lost_process_message(e)}: rerun every process to resume from the "
+             "last checkpoint")
       if cause is None:
         raise
       fail(str(cause))   # e.g. a SearchError raised inside a rollout

@@ -636,12 +636,9 @@ def _lost_process(err: Exception, address: str) -> Exception:
   wait 100 s for it and then abort the survivor); otherwise ``err`` itself."""
   if not distributed.lost_process(err):
     return err
-  first = str(err).strip().splitlines()[0]
   return SamplerError(
-      f"sampler process {jax.process_index()}: a collective of the sampler's "
-      f"{jax.process_count()} processes failed ({type(err).__name__}: {first}), so one of them "
-      f"is gone: rerun the trainer and every sampler process "
-      f"(train.sampler_address={address}) to resume from the trainer's last checkpoint")
+      f"sampler {distributed.lost_process_message(err)}: rerun the trainer and every sampler "
+      f"process (train.sampler_address={address}) to resume from the trainer's last checkpoint")
 
 
 def _start_sampler(side: SamplerSide, start: Start, params: dict,

@@ -527,17 +527,17 @@ def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: 
     shapes = jax.eval_shape(lambda: grad_fn(trained, ref_params, *(x[0] for x in xs), denom))
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (shapes[1], shapes[0][1]))
 
-    def grads_and_metrics(x):
-      tok, mask, adv, old, *rest = x
-      (_, m), g = grad_fn(trained, ref_params, tok, mask, adv, old, *rest, denom)
+    def weighted(m, mask):   # token means weighted by the micro-batch's share of loss tokens
       w = mask[:, 1:].sum() / n_tok
-      return g, {k_: (v * w if k_ in _TOKEN_MEAN_METRICS else v) for k_, v in m.items()}
+      return {k_: (v * w if k_ in _TOKEN_MEAN_METRICS else v) for k_, v in m.items()}
+
+    def grads_and_metrics(x):
+      (_, m), g = grad_fn(trained, ref_params, *x, denom)
+      return g, weighted(m, x[1])
 
     def metrics_only(x):     # advantages all 0 and no other term: a zero gradient
-      tok, mask, adv, old, *rest = x
-      _, m = micro_loss(to_full(trained), ref_params, tok, mask, adv, old, *rest, denom)
-      w = mask[:, 1:].sum() / n_tok
-      return zeros[0], {k_: (v * w if k_ in _TOKEN_MEAN_METRICS else v) for k_, v in m.items()}
+      _, m = micro_loss(to_full(trained), ref_params, *x, denom)
+      return zeros[0], weighted(m, x[1])
 
     def body(acc, x):
       # A micro-batch without loss tokens (rows of groups the step does not train) adds
