@@ -46,6 +46,12 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   ``GIGRL_NUM_PROCESSES`` and ``GIGRL_PROCESS_ID``. Without a coordinator, a multi-host TPU VM
   (:func:`_tpu_multihost`) initialises from the TPU metadata; anything else stays one process.
 
+  jax's coordination service lives in process 0: when that process dies, jax aborts every other
+  process at once (SIGABRT, "Terminating process because the JAX distributed service detected
+  fatal errors"). That abort cannot be turned into gigrl's one-line error: the client's error
+  callback (jaxlib's ``missed_heartbeat_callback``) cannot receive its status in Python (tried
+  with jaxlib 0.10.2: ``std::bad_cast``, then the same abort).
+
   Returns:
     True if ``jax.distributed.initialize`` was called.
   Raises:
@@ -96,14 +102,15 @@ _LOST_SIGNS = ("Connection reset by peer", "Connection closed by peer", "heartbe
 
 
 def lost_process(err: BaseException | None) -> bool:
-  """True when ``err`` (or an exception in its ``__cause__`` / ``__context__`` chain) is a
-  ``JaxRuntimeError`` saying that another process of this run is gone (a collective's peer
-  reset its connection, or the coordination service missed its heartbeats); it then calls
-  :func:`mark_peer_lost`. False on one process, and for any other error (a device's own
-  failure keeps its traceback)."""
+  """True when ``err`` (or an exception in its ``__cause__`` / ``__context__`` chain) says that
+  another process of this run is gone (a collective's peer reset its connection, or the
+  coordination service missed its heartbeats); it then calls :func:`mark_peer_lost`. The
+  error's type does not matter: jax raises gloo's failure as a ``JaxRuntimeError`` from a
+  compiled collective and as a ``ValueError`` from ``multihost_utils.process_allgather``. False on one process, and for any
+  other error (a device's own failure keeps its traceback)."""
   seen = set()
   while err is not None and id(err) not in seen and jax.process_count() > 1:
-    if isinstance(err, jax.errors.JaxRuntimeError) and any(m in str(err) for m in _LOST_SIGNS):
+    if isinstance(err, Exception) and any(m in str(err) for m in _LOST_SIGNS):
       mark_peer_lost()
       return True
     seen.add(id(err))

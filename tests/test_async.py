@@ -412,8 +412,9 @@ def test_a_killed_process_loses_nothing(tmp_path, killed, processes, samplers):
   """SIGKILL the sampler process (or the trainer, or one process of a sampler on 2 processes)
   once the trainer has checkpointed step 6: every other process stops with one line naming
   ``train.sampler_address`` (exit 2, no traceback; a surviving sampler process does not wait at
-  jax's shutdown barrier for the killed one, which aborted it after 100 s with a fatal dump), the
-  trainer (one process, or 2 that agree on it) having checkpointed the last step it trained;
+  jax's shutdown barrier for the killed one, which aborted it after 100 s with a fatal dump;
+  the one exception: when sampler process 0, which hosts jax's coordination service, is killed,
+  jax itself may abort sampler process 1 first, with its own fatal message), the trainer (one process, or 2 that agree on it) having checkpointed the last step it trained;
   rerunning them all finishes every step once, and the queries the pool consumed are exactly
   those the steps accepted (none trained twice, none lost in flight). The trainer processes'
   per-step agreement also covers a rollout that reached one of them and not the other; this kill
@@ -433,6 +434,11 @@ def test_a_killed_process_loses_nothing(tmp_path, killed, processes, samplers):
     proc.wait(timeout=600)
     err = _stderr(proc)
     assert ckpt.exists(), err[-4000:]
+    if killed == "sampler process 0 of 2" and proc is procs[-1] and proc.returncode == -6:
+      # the killed process hosted jax's coordination service: jax aborts the other process of
+      # that cluster itself, which gigrl cannot intercept (distributed.initialize)
+      assert "coordination service" in err, err[-4000:]
+      continue
     assert proc.returncode == 2, err[-4000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith("gigrl-train: error:"), last

@@ -594,8 +594,10 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
           if errors:
             raise errors[0] from None
           break
-        except jax.errors.JaxRuntimeError as e:
-          raise _lost_process(e, address) from None
+        except Exception as e:  # pylint: disable=broad-except
+          if distributed.lost_process(e):   # a failed collective: another process is gone
+            raise _lost_process(e, address) from None
+          raise
         data = pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL)     # once, for every process
         for i, c in enumerate(conns):
           try:
@@ -627,15 +629,12 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
   return sent
 
 
-def _lost_process(err: Exception, address: str) -> Exception:
-  """What a sampler process raises when a collective of the sampler's processes failed
-  (``err``, a ``JaxRuntimeError``): when it says another process is gone
+def _lost_process(err: Exception, address: str) -> SamplerError:
+  """What a sampler process raises when ``err`` says another process is gone
   (:func:`distributed.lost_process`, e.g. gloo's "Connection reset by peer" when another sampler
-  process was killed), a :class:`SamplerError` (one line, exit 2) that says to rerun, the
+  process was killed): a :class:`SamplerError` (one line, exit 2) that says to rerun, the
   cluster marked as having lost a process (the exit skips jax's shutdown barrier, which would
-  wait 100 s for it and then abort the survivor); otherwise ``err`` itself."""
-  if not distributed.lost_process(err):
-    return err
+  wait 100 s for it and then abort the survivor)."""
   return SamplerError(
       f"sampler {distributed.lost_process_message(err)}: rerun the trainer and every sampler "
       f"process (train.sampler_address={address}) to resume from the trainer's last checkpoint")
@@ -705,8 +704,10 @@ def _serve_peer(side: SamplerSide, address: str, timeout: float,
           if errors:
             raise errors[0] from None
           break
-        except jax.errors.JaxRuntimeError as e:
-          raise _lost_process(e, address) from None
+        except Exception as e:  # pylint: disable=broad-except
+          if distributed.lost_process(e):   # a failed collective: another process is gone
+            raise _lost_process(e, address) from None
+          raise
         done += 1
     finally:
       sampler.close()
