@@ -152,7 +152,11 @@ def test_k0_is_the_loop_before_async(k0_run):
   before the step was split into the sampler's and the trainer's halves
   (``tests/pinned/async_k0_before_b8caa78.json``, its command and versions inside). On the machine
   that pinned them they are bitwise equal, every value (2026-11-27, jax 0.10.2, AMD EPYC); the
-  tolerance (1e-6 relative) only absorbs another CPU's code generation. ``strat/strata_per_group``
+  tolerance only absorbs another CPU's code generation, as measured on an Intel Xeon
+  (2026-11-28, same jax): ``kl`` off by at most 8.7e-9 absolute (1.3e-4 relative on a KL of
+  1.4e-5), ``grad_norm`` by 5.1e-6 relative, the params' sum by 9e-9 relative. A rollout by other
+  params moves them more: the k = 1 run (rollouts one version stale) fails it on 4 values
+  (``kl`` 1.4% off at step 6, ``grad_norm`` 5.4e-5). ``strat/strata_per_group``
   was added after b8caa78 and is not compared."""
   import numpy as np  # pylint: disable=import-outside-toplevel
   from gigrl import config as config_lib  # pylint: disable=import-outside-toplevel
@@ -165,7 +169,7 @@ def test_k0_is_the_loop_before_async(k0_run):
   for want, row in zip(pinned["rl_metrics"], got):
     for k, v in want.items():
       if isinstance(v, float):
-        assert row[k] == pytest.approx(v, rel=1e-6, abs=1e-9), (want["step"], k)
+        assert row[k] == pytest.approx(v, rel=1e-5, abs=5e-8), (want["step"], k)
       else:
         assert row[k] == v, (want["step"], k)
   spec = importlib.util.spec_from_file_location("smoke", os.path.join(ROOT, "configs/smoke.py"))
