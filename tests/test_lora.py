@@ -313,8 +313,12 @@ def test_adapter_dropout_in_training_forwards_only():
     params["layers"]["w_up_lora_b"].value = jnp.full_like(params["layers"]["w_up_lora_b"][...],
                                                           0.3)
     g = policy.graphdef
-    loss = lambda: float(update_lib.sft_loss(params, g, tokens, mask, max_tokens=8,
-                                             chunk_size=512)[0])
+    # jitted: one program; run op by op, the forward's hundreds of small 8-device all-reduces
+    # once left one of XLA CPU's 8 device threads out of a rendezvous (abort after 40 s, 1 in 8
+    # runs on 2 loaded cores)
+    sft = jax.jit(lambda p, t, m: update_lib.sft_loss(p, g, t, m, max_tokens=8,
+                                                      chunk_size=512)[0])
+    loss = lambda: float(sft(params, tokens, mask))
     losses[rate] = loss()
     assert loss() == losses[rate]                                  # same batch, same mask
     old = update_lib.logprob_fn(g, max_tokens=8, chunk_size=512)(params, tokens, mask)
