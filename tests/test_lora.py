@@ -313,15 +313,15 @@ def test_adapter_dropout_in_training_forwards_only():
     params["layers"]["w_up_lora_b"].value = jnp.full_like(params["layers"]["w_up_lora_b"][...],
                                                           0.3)
     g = policy.graphdef
-    # jitted: one program; run op by op, the forward's hundreds of small 8-device all-reduces
-    # once left one of XLA CPU's 8 device threads out of a rendezvous (abort after 40 s, 1 in 8
-    # runs on 2 loaded cores)
+    # both jitted, as the trainer runs them: run op by op, the forwards' hundreds of small
+    # 8-device all-reduces left one of XLA CPU's device threads out of a rendezvous (abort after
+    # 40 s; 1 in 8 runs alone on 2 loaded cores, and in 2 suite runs)
     sft = jax.jit(lambda p, t, m: update_lib.sft_loss(p, g, t, m, max_tokens=8,
                                                       chunk_size=512)[0])
     loss = lambda: float(sft(params, tokens, mask))
     losses[rate] = loss()
     assert loss() == losses[rate]                                  # same batch, same mask
-    old = update_lib.logprob_fn(g, max_tokens=8, chunk_size=512)(params, tokens, mask)
+    old = jax.jit(update_lib.logprob_fn(g, max_tokens=8, chunk_size=512))(params, tokens, mask)
     losses[f"old{rate}"] = np.asarray(old)
   assert abs(losses[0.5] - losses[0.0]) > 1e-4
   np.testing.assert_array_equal(losses["old0.5"], losses["old0.0"])   # no dropout there
