@@ -106,8 +106,8 @@ def lost_process(err: BaseException | None) -> bool:
   another process of this run is gone (a collective's peer reset its connection, or the
   coordination service missed its heartbeats); it then calls :func:`mark_peer_lost`. The
   error's type does not matter: jax raises gloo's failure as a ``JaxRuntimeError`` from a
-  compiled collective and as a ``ValueError`` from ``multihost_utils.process_allgather``. False on one process, and for any
-  other error (a device's own failure keeps its traceback)."""
+  compiled collective and as a ``ValueError`` from ``multihost_utils.process_allgather``. False
+  on one process, and for any other error (a device's own failure keeps its traceback)."""
   seen = set()
   while err is not None and id(err) not in seen and jax.process_count() > 1:
     if isinstance(err, Exception) and any(m in str(err) for m in _LOST_SIGNS):
