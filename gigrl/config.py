@@ -87,6 +87,8 @@ def train_config() -> ml_collections.ConfigDict:
                                # (segment ids, positions), when that computes fewer token rows;
                                # token-summed losses only (update.step.packing_allowed); same loss.
                                # Off: slower on 2 CPU cores (docs/results/update_packing/)
+  c.pack_max_width = 0          # widest packed row in tokens, at least (0 = exactly) the rollout's
+                               # width: a group's prompt and continuations wider than it go row by row
   c.weight_decay = 0.01
   c.b1, c.b2 = 0.9, 0.999
   c.eps = 1e-8                 # AdamW epsilon (optax's and torch's default)
@@ -237,6 +239,7 @@ def _validate_train(cfg):
   check_choice(cfg, "train.shuffle", (True, False))
   check_choice(cfg, "train.trim_update_padding", (True, False))
   check_choice(cfg, "train.pack_update_rows", (True, False))
+  check_range(cfg, "train.pack_max_width", 0, integer=True)
   if not isinstance(get_field(cfg, "train.compile_cache"), str):
     raise ConfigError("train.compile_cache", cfg.train.compile_cache,
                       "'auto', '' (off) or a directory")

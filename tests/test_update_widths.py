@@ -250,15 +250,18 @@ def test_pack_rows_writes_a_groups_prompt_once():
   assert (pre[77:113] == 4).all() and (seg[113:] == 0).all()
 
 
-@pytest.mark.parametrize("mode,shared,rows", [
-    ("token-mean", False, 3), ("seq-mean-token-sum-norm", False, 3), ("token-mean", True, 2),
-    ("seq-mean-token-sum-norm", True, 2)])
-def test_packed_update_equals_the_unpacked_one(mode, shared, rows):
+@pytest.mark.parametrize("mode,shared,rows,micro", [
+    ("token-mean", False, 3, 2), ("seq-mean-token-sum-norm", False, 3, 2),
+    ("token-mean", True, 2, 2), ("seq-mean-token-sum-norm", True, 2, 2),
+    ("token-mean", True, 2, 0), ("seq-mean-token-sum-norm", False, 3, 0)])
+def test_packed_update_equals_the_unpacked_one(mode, shared, rows, micro):
   """Six trained rows (lengths 35, 39, 44, 33, 80, 38: W = 128) in micro-batches of 2 rows (3
   micro-batches) pack into 3 rows (80+44, 39+38+35, 33), or with each group's prompt shared
   into 2 (test_pack_rows_writes_a_groups_prompt_once): 2 micro-batches, and 1 of them computed
-  when shared; the loss, metrics and updated params are those of the unpacked update."""
-  cfg, policy = _cfg(micro_batch_size=2), _policy(0)
+  when shared; the loss, metrics and updated params are those of the unpacked update. Without
+  micro-batches (``micro`` 0: one ``rl_step`` of all rows unpacked) the packed rows run one to
+  a micro-batch, K = W' - 1 (several rows' generations in one packed row)."""
+  cfg, policy = _cfg(micro_batch_size=micro), _policy(0)
   cfg.loss.loss_agg_mode = mode
   steps = build.build_steps(cfg, policy)
   b = _batch(gen=(5, 9, 14, 3, 60, 60, 50, 8), shared_prompts=shared)
@@ -266,7 +269,7 @@ def test_packed_update_equals_the_unpacked_one(mode, shared, rows):
   off = _update(cfg, policy, steps, b, trim=True, pack=False)
   m_on, m_off = on[2], off[2]
   assert m_off["update/width"] == 128
-  assert m_on["update/width"] == 128
+  assert m_on["update/width"] == 128 and m_on["update/lm_positions"] == 127
   assert (m_on["update/rows"], m_on["update/rows_computed"]) == (6, rows)
   assert (m_off["update/rows"], m_off["update/rows_computed"]) == (6, 6)
   _assert_same_update(on, off, policy.params)

@@ -279,3 +279,28 @@ def test_compile_seconds_are_the_calling_threads():
   th.join()
   assert theirs["s"] > 0
   assert progress.compile_seconds() == mine
+
+
+def test_packed_updates_are_planned_and_compile_before_step_1(tmp_path):
+  """``train.pack_update_rows`` without micro-batches (one ``rl_step`` unpacked): the packed
+  update of every W' under ``train.pack_max_width`` is listed and compiled in the warm-up, and
+  the steps that pack compile nothing. Try it: drop ``packed_programs`` from
+  ``update_programs``, and ``jit(step)`` compiles after the warm-up."""
+  import json  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, ROOT)
+  from configs import smoke  # pylint: disable=import-outside-toplevel
+  monitoring.register_event_duration_secs_listener(_on_duration)
+  cfg = smoke.get_config()
+  cfg.data.max_train_questions, cfg.data.prompts_per_step, cfg.data.group_size = 16, 8, 2
+  cfg.data.pool.rule = "grpo"
+  cfg.rollout.max_turns, cfg.rollout.max_new_tokens = 0, 16
+  cfg.train.sft_steps, cfg.train.num_steps, cfg.train.micro_batch_size = 0, 2, 0
+  cfg.train.pack_update_rows, cfg.train.pack_max_width = True, 256
+  cfg.train.eval_questions, cfg.train.compile_cache, cfg.train.sample_every = 0, "", 100
+  cfg.checkpoint.every_steps = 100
+  workdir = str(tmp_path)
+  assert _count_compiles_after_warm_up(cfg, workdir) == {}
+  rows = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+  rl = [r for r in rows if r["phase"] == "rl"]
+  assert rl and all(r["update/rows_computed"] < r["update/rows"] for r in rl), [
+      (r["update/rows_computed"], r["update/rows"], r["update/width"]) for r in rl]

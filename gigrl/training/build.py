@@ -340,6 +340,21 @@ def ppo_rows(cfg: ml_collections.ConfigDict) -> tuple[int, int]:
   return mini, int(cfg.train.micro_batch_size) or mini
 
 
+def pack_width(cfg: ml_collections.ConfigDict, seq_len: int) -> int:
+  """The update's packing (:func:`gigrl.update.step.rl_update`'s ``pack``): the widest packed
+  row (:func:`gigrl.update.step.packed_width_cap` of ``train.pack_max_width`` and the rollout's
+  ``seq_len``) when ``train.pack_update_rows`` is on and the loss allows it
+  (:func:`gigrl.update.step.packing_allowed`) on one process, else 0 (no packing: processes
+  pack their own rows, so their packed widths could differ in one collective program)."""
+  if jax.process_count() > 1:
+    return 0
+  lora_dropout = float(cfg.model.lora.dropout) if int(cfg.model.lora.rank) else 0.0
+  if not (bool(cfg.train.pack_update_rows) and bool(cfg.train.trim_update_padding)
+          and update_lib.packing_allowed(cfg.loss.loss_agg_mode, lora_dropout)):
+    return 0
+  return update_lib.packed_width_cap(int(cfg.train.get("pack_max_width", 0)), seq_len)
+
+
 def put_rows(mesh: jax.sharding.Mesh, x: np.ndarray) -> jax.Array:
   """Process-local host rows -> a global array, rows over ``('data', 'fsdp')``.
 

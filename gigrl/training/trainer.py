@@ -220,9 +220,8 @@ class Trainer:
         step=step, shuffle=bool(cfg.train.shuffle),
         trim_padding=bool(cfg.train.trim_update_padding),
         max_lm_positions=build.max_generated_tokens(cfg),
-        pack=bool(cfg.train.pack_update_rows) and update_lib.packing_allowed(
-            cfg.loss.loss_agg_mode,
-            float(cfg.model.lora.dropout) if int(cfg.model.lora.rank) else 0.0),
+        pack=build.pack_width(cfg, self.settings.seq_len),
+        pack_micro_rows=build.batch_axis_size(self.policy.mesh),
         behaviour=self.steps.behaviour)
     self.state = self.state.replace(params=params, opt_state=opt_state)
     self.sampler.publish(params, step - int(cfg.train.sft_steps))

@@ -133,6 +133,35 @@ def update_programs(cfg, steps, mesh, params, opt_state, ref_params, put: Callab
               params, opt_state, ref_params, *rows(mini, w),
               put(np.zeros((mini, k_old), np.float32)), *behav(mini, w))
       out.append(RunProgram("update", f"ppo_step[{n_micro} micro-batches]" + label, lower))
+  return out + packed_programs(cfg, steps, mesh, params, opt_state, ref_params, put, seq_len)
+
+
+def packed_programs(cfg, steps, mesh, params, opt_state, ref_params, put: Callable,
+                    seq_len: int) -> list[RunProgram]:
+  """With ``train.pack_update_rows`` (:func:`gigrl.training.build.pack_width`): the packed
+  update of each W' :func:`gigrl.update.step.packed_widths` allows, K = W' - 1, as
+  :func:`gigrl.update.step.rl_update` runs it (one update a step only; else none; without
+  micro-batches, a micro-batch per row of the mesh's batch axes)."""
+  from gigrl.training import build  # pylint: disable=import-outside-toplevel
+  cap = build.pack_width(cfg, seq_len)
+  b = int(cfg.data.prompts_per_step) * int(cfg.data.group_size)
+  mini, micro = build.ppo_rows(cfg)
+  if not cap or mini < b or int(cfg.train.ppo_epochs) != 1:
+    return []
+  micro = micro if micro < b else build.batch_axis_size(mesh)
+  out = []
+  for w in update_lib.packed_widths(cap):
+    k = update_lib.packed_lm_positions(w)
+
+    def lower(w=w, k=k):
+      z = lambda dt: put(np.zeros((b, w), dt))
+      behav = (z(np.float32),) if steps.behaviour else ()
+      with jax.set_mesh(mesh):
+        return steps.ppo_step(b // micro, on_policy=True, packed=True).jit_for(k).lower(
+            params, opt_state, ref_params, z(np.int32), z(np.float32), z(np.float32), None,
+            *behav, z(np.int32), z(np.int32), z(np.int32))
+    out.append(RunProgram("update", f"ppo_step[{b // micro} micro-batches, packed]"
+                          f"[{b} rows x {w} tokens, K {k}]", lower))
   return out
 
 

@@ -721,12 +721,34 @@ def packing_allowed(loss_agg_mode: str, lora_dropout: float = 0.0) -> bool:
   return loss_agg_mode in PACKABLE_AGG_MODES and not lora_dropout
 
 
+def packed_lm_positions(width: int) -> int:
+  """K of a packed update row of ``width`` tokens: ``width - 1``, every target it can hold, so
+  that K is a function of W' alone and the warm-up knows every packed program
+  (:func:`packed_widths`). A packed row's loss tokens (several trajectories' generations)
+  may exceed the generation budget, the unpacked rows' bound on K."""
+  return max(1, int(width) - 1)
+
+
+def packed_width_cap(pack_max_width: int, seq_len: int) -> int:
+  """The widest packed update row: ``train.pack_max_width`` tokens, at least ``seq_len`` (the
+  rollout's width; 0 = that width). A group whose prompt and continuations are wider is packed
+  row by row."""
+  return max(int(pack_max_width), int(seq_len))
+
+
+def packed_widths(cap: int, multiple: int = 64) -> list[int]:
+  """Every W' :func:`gigrl.update.batch.pack_rows` can choose under the cap ``cap``: the
+  multiples of ``multiple`` below it, and ``cap`` itself."""
+  return sorted({batch_lib.bucket(m, cap, multiple) for m in range(multiple, cap + multiple,
+                                                                    multiple)})
+
+
 def rl_update(steps: Any, params, opt_state, ref_params, batch, rows: np.ndarray,
               valid_groups: np.ndarray, advantages: np.ndarray, *, put: Callable,
               mini_batch_rows: int, micro_batch_rows: int, epochs: int, seed: int, step: int,
               shuffle: bool = True, trim_padding: bool = False,
-              max_lm_positions: int | None = None, pack: bool = False,
-              behaviour: bool = False):
+              max_lm_positions: int | None = None, pack: bool | int = False,
+              pack_micro_rows: int = 1, behaviour: bool = False):
   """One RL step's update on its trained groups: their token batch
   (:func:`gigrl.update.batch.train_batch`), then :func:`ppo_update`.
 
@@ -741,10 +763,14 @@ def rl_update(steps: Any, params, opt_state, ref_params, batch, rows: np.ndarray
       not trimmed.
     pack: ``train.pack_update_rows``, allowed by the loss (:func:`packing_allowed`): the
       trained rows are packed several to a row, a group's prompt once
-      (:func:`gigrl.update.batch.pack_rows`, at most the rollout's width), when the
-      micro-batches left (the others are skipped) hold fewer token rows, in a step of one
-      micro-batched update with ``trim_padding``; W and K then come from the packed rows. The
-      loss and gradients are those of the unpacked rows, to float rounding.
+      (:func:`gigrl.update.batch.pack_rows`), in a step of one update (one mini-batch, one
+      epoch) with ``trim_padding``, when that computes fewer token rows. An int is the widest
+      packed row W' allowed (:func:`packed_width_cap`); True = the rollout's width. Without
+      micro-batches the packed rows run ``pack_micro_rows`` to a micro-batch (``ppo_step``,
+      the micro-batches left empty skipped; the mesh's batch-axis size, so each device holds
+      a row); with them, ``micro_batch_rows`` to a micro-batch. K is then
+      :func:`packed_lm_positions` of W'. The loss and gradients are those of the unpacked
+      rows, to float rounding.
     behaviour: pass the rollout's behaviour log-probs (``batch.behaviour_logprobs`` of the
       trained rows, packed like the advantages) to the loss: the off-policy correction
       (``steps.behaviour``; :func:`rl_loss`).
@@ -771,20 +797,26 @@ def rl_update(steps: Any, params, opt_state, ref_params, batch, rows: np.ndarray
   micro = int(micro_batch_rows) or tokens.shape[0]
   shapes["update/rows"] = shapes["update/rows_computed"] = float(rows_trained)
   packing = None
-  if (pack and trim_padding and max_lm_positions and micro < tokens.shape[0]
-      and mini_batch_rows >= tokens.shape[0] and epochs == 1):
+  if (pack and trim_padding and max_lm_positions and mini_batch_rows >= tokens.shape[0]
+      and epochs == 1):
     sel = np.asarray(rows).reshape(-1)
     groups = np.repeat(np.arange(rows.shape[0]), rows.shape[1])
+    cap = batch.tokens.shape[1] if pack is True else int(pack)
     packed = batch_lib.pack_rows(tokens, mask, tok_adv, batch.lengths[sel], groups,
-                                 max_width=batch.tokens.shape[1])
-    # it pays when the micro-batches left hold fewer token rows
-    if -(-packed.rows // micro) * packed.width < -(-rows_trained // micro) * w:
+                                 max_width=cap)
+    # without micro-batches a packed row is one; it pays when fewer token rows are computed
+    pmicro = micro if micro < tokens.shape[0] else int(pack_micro_rows)
+    token_rows = lambda n, m, width: -(-n // m) * m * width
+    unpacked = (token_rows(rows_trained, micro, w) if micro < tokens.shape[0]
+                else tokens.shape[0] * w)
+    if pmicro < tokens.shape[0] and token_rows(packed.rows, pmicro, packed.width) < unpacked:
       if behav is not None:   # the same layout (pack_rows is a function of tokens and mask)
         behav = batch_lib.pack_rows(tokens, mask, behav, batch.lengths[sel], groups,
-                                    max_width=batch.tokens.shape[1]).token_advantages
+                                    max_width=cap).token_advantages
       tokens, mask, tok_adv = packed.tokens, packed.loss_mask, packed.token_advantages
       packing = (packed.positions, packed.segment_ids, packed.prefix_ids)
-      k = batch_lib.lm_positions(mask, packed.width - 1, trim=True)
+      k = packed_lm_positions(packed.width)
+      micro_batch_rows = pmicro
       shapes["update/width"] = float(packed.width)
       shapes["update/lm_positions"] = float(k)
       shapes["update/rows_computed"] = float(packed.rows)
