@@ -58,7 +58,7 @@ def figures(rows: int = 8, d_in: int = 576, d_out: int = 1536, mib: int = 256) -
     ``cpu``; ``gemm_xla_us`` / ``gemm_torch_us``: one f32[rows, d_in] @ f32[d_in, d_out] product
     (SmolLM2's decode shape: 8 rows, its MLP's up projection) in XLA and in torch (with its
     thread count), microseconds; ``copy_gb_s``: GB/s of a jitted copy of ``mib`` MiB
-    (read + write) in XLA; ``cores``.
+    (read + write) in XLA; ``read_gb_s``: GB/s of a jitted sum of it (read only); ``cores``.
   """
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -81,6 +81,10 @@ def figures(rows: int = 8, d_in: int = 576, d_out: int = 1536, mib: int = 256) -
   big = jnp.ones((mib << 20) // 4, jnp.float32)
   cp = jax.jit(lambda a: a + 0.0)
   out["copy_gb_s"] = 2 * big.nbytes / _best(lambda: cp(big).block_until_ready(), 5) / 1e9
+  # a decode step reads its weights and writes little: the read rate is its bound (a copy's
+  # writes into fresh pages run far slower than reads on these VMs: 5-8 against ~30 GB/s)
+  total = jax.jit(jnp.sum)
+  out["read_gb_s"] = big.nbytes / _best(lambda: total(big).block_until_ready(), 5) / 1e9
   return out
 
 
@@ -89,7 +93,8 @@ def line(f: dict) -> str:
   torch_us = "n/a" if f.get("gemm_torch_us") is None else (
       f"{f['gemm_torch_us']:.0f} us ({f.get('torch_threads')} threads)")
   return (f"machine: {f['cpu']}, {f['cores']} cores; {f['gemm_shape']}: XLA "
-          f"{f['gemm_xla_us']:.0f} us, torch {torch_us}; copy bandwidth {f['copy_gb_s']:.1f} GB/s")
+          f"{f['gemm_xla_us']:.0f} us, torch {torch_us}; copy bandwidth {f['copy_gb_s']:.1f} GB/s, "
+          f"read {f.get('read_gb_s', float('nan')):.1f} GB/s")
 
 
 if __name__ == "__main__":

@@ -216,7 +216,7 @@ def phases(a) -> None:
   run_cfg = mod.get_config(CONFIG.split(":")[1])
   peak = gemm_peak_flops()
   machine = _machine.figures()
-  bw = machine["copy_gb_s"] * 1e9
+  bw = machine["read_gb_s"] * 1e9     # weights and KV slots are read (a copy also writes)
   print(_machine.line(machine))
   print(f"f32 GEMM peak {peak / 1e9:.1f} GFLOP/s (2048^3, XLA)", flush=True)
   extra = [f"--config.{kv}" for kv in a.set]
@@ -242,7 +242,7 @@ def phases(a) -> None:
   print(f"rollout {rollout:.2f} s = phases {parts:.2f} s + {rollout - parts:.2f} s outside them "
         f"(retriever {search:.2f} s)")
   out = {"device": f"{machine['cpu']}, {machine['cores']} cores, jax {jax.__version__}",
-         "peak_flops": peak, "copy_bytes_per_s": bw, "machine": machine,
+         "peak_flops": peak, "read_bytes_per_s": bw, "machine": machine,
          "update_micro_batches": n_micro, "steps_timed": len(rl), "model": mf,
          "command": "python benchmarks/smollm2_steps.py " + " ".join(sys.argv[1:]), **ph}
   print(json.dumps(out))

@@ -87,6 +87,9 @@ def run_gigrl(a, max_turns: int):
            "step_s": r["step_time_s"],
            "gen_tokens": r["rollout/tokens_per_s"] * r["time/rollout_s"],
            "train_tokens": r["train/tokens_per_s"] * r["time/update_s"],
+           # what the update computed: a group's prompt once when packed (padding excluded)
+           "computed_tokens": r.get("update/tokens_computed",
+                                    r["train/tokens_per_s"] * r["time/update_s"]),
            "compile_s": r.get("time/rollout_compile_s", 0.0) + r.get("time/update_compile_s", 0.0),
            "reward": r["reward_mean"]} for r in rows], t
 
@@ -167,10 +170,13 @@ def device_name() -> str:
 def summarize(rows: list[dict], n_params: int, peak: float) -> dict:
   med = lambda k: statistics.median(r[k] for r in rows)
   s = {k: med(k) for k in ("gen_s", "update_s", "step_s", "gen_tokens", "train_tokens")}
+  s["computed_tokens"] = med("computed_tokens") if "computed_tokens" in rows[0] else s[
+      "train_tokens"]
   s["gen_tokens_per_s"] = s["gen_tokens"] / s["gen_s"]
   s["train_tokens_per_s"] = s["train_tokens"] / s["update_s"]
   s["gen_mfu"] = 2 * n_params * s["gen_tokens_per_s"] / peak
-  s["update_mfu"] = 6 * n_params * s["train_tokens_per_s"] / peak
+  # of the tokens the update computed (a shared prompt once), not of the trajectories' tokens
+  s["update_mfu"] = 6 * n_params * s["computed_tokens"] / s["update_s"] / peak
   s["steps"] = len(rows)
   # every timed step as measured (a step that met a new shape compiles inside it: gigrl's
   # compile_s; TRL's eager torch has none to report)
@@ -189,26 +195,27 @@ def torch_gemm_peak_flops(n: int = 2048, repeats: int = 5) -> float | None:
   return 2 * n ** 3 / _machine._best(lambda: a @ a, repeats)  # pylint: disable=protected-access
 
 
-def speedup_ceiling(g: dict, r: dict, n_params: int, peak: float, copy_gb_s: float,
+def speedup_ceiling(g: dict, r: dict, n_params: int, peak: float, read_gb_s: float,
                     rows: int) -> dict:
   """How fast gigrl's step could be on this machine, and so the largest speedup over TRL's
   measured step that any gigrl could show here (issue #50: "show the floor that rules it out").
 
   Floors, each a lower bound on gigrl's time:
-  - update: 6·N·(trained tokens) / ``peak`` FLOP/s (the best f32 GEMM rate measured here in
+  - update: 6·N·(tokens computed: a group's prompt once when packed) / ``peak`` FLOP/s (the best f32 GEMM rate measured here in
     XLA or torch, whichever is higher);
   - generation: each decode step reads the f32 weights (4·N bytes) at least once, and the loop
-    runs at least (generated tokens / rows) steps, at the measured copy bandwidth.
+    runs at least (generated tokens / rows) steps, at the measured read bandwidth (a copy's
+    rate, reads and writes, counted until 437ccd7, and overstated this floor).
 
   Returns:
     ``update_floor_s``, ``gen_floor_s``, and the ceilings ``update``, ``gen``, ``step``: TRL's
     time over gigrl's floor for that phase (the step: over the sum of both floors).
   """
-  upd = 6 * n_params * g["train_tokens"] / peak
-  gen = 4 * n_params * (g["gen_tokens"] / rows) / (copy_gb_s * 1e9)
+  upd = 6 * n_params * g.get("computed_tokens", g["train_tokens"]) / peak
+  gen = 4 * n_params * (g["gen_tokens"] / rows) / (read_gb_s * 1e9)
   return {"update_floor_s": upd, "gen_floor_s": gen, "update": r["update_s"] / upd,
           "gen": r["gen_s"] / gen, "step": r["step_s"] / (upd + gen), "peak_flops": peak,
-          "copy_gb_s": copy_gb_s}
+          "read_gb_s": read_gb_s}
 
 
 def main(argv=None) -> None:
@@ -279,12 +286,12 @@ def main(argv=None) -> None:
   # The largest speedup this machine allows (issue #50): TRL's measured times over gigrl's
   # floors at this machine's own figures, measured after both sides ran.
   best_peak = max(gemm_peak_flops(), torch_gemm_peak_flops() or 0.0)
-  copy_now = _machine.figures()["copy_gb_s"]
-  c = res["ceiling"] = speedup_ceiling(g, r, n_params, best_peak, max(copy_now, micro["copy_gb_s"]),
+  read_now = _machine.figures()["read_gb_s"]
+  c = res["ceiling"] = speedup_ceiling(g, r, n_params, best_peak, max(read_now, micro["read_gb_s"]),
                                        a.prompts * a.group)
-  print(f"ceiling here: gigrl update >= {c['update_floor_s']:.2f} s (6N x trained tokens at the "
+  print(f"ceiling here: gigrl update >= {c['update_floor_s']:.2f} s (6N x computed tokens at the "
         f"best GEMM rate, {best_peak / 1e9:.0f} GFLOP/s), generation >= {c['gen_floor_s']:.2f} s "
-        f"(f32 weights read per decode step at {c['copy_gb_s']:.1f} GB/s); so no gigrl step can "
+        f"(f32 weights read per decode step at {c['read_gb_s']:.1f} GB/s); so no gigrl step can "
         f"be more than {c['step']:.2f}x faster than TRL's here (generation {c['gen']:.2f}x, "
         f"update {c['update']:.2f}x; targets 2.5x step, 2.0x generation)")
   if a.json:

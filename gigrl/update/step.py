@@ -777,7 +777,8 @@ def rl_update(steps: Any, params, opt_state, ref_params, batch, rows: np.ndarray
   Returns:
     (params, opt_state, metrics (:func:`host_metrics`, plus ``update/width`` W,
     ``update/rows`` (the trained rows), ``update/rows_computed`` (rows the forward and
-    backward run on: fewer when packed),
+    backward run on: fewer when packed), ``update/tokens_computed`` (their tokens, padding
+    excluded: a group's prompt once when packed),
     ``update/lm_positions`` K (0 if unknown) and ``time/update_compile_s``, the seconds of it
     jax spent compiling: > 0 on a step that met a new (W, K), :func:`compile_seconds`),
     seconds the update took). With no valid group the params are unchanged, nothing runs and
@@ -796,6 +797,8 @@ def rl_update(steps: Any, params, opt_state, ref_params, batch, rows: np.ndarray
   rows_trained = int((mask[:, 1:].sum(axis=1) > 0).sum())
   micro = int(micro_batch_rows) or tokens.shape[0]
   shapes["update/rows"] = shapes["update/rows_computed"] = float(rows_trained)
+  shapes["update/tokens_computed"] = float(np.minimum(batch.lengths[np.asarray(rows).reshape(-1)][
+      mask[:, 1:].sum(axis=1) > 0], w).sum())
   packing = None
   if (pack and trim_padding and max_lm_positions and mini_batch_rows >= tokens.shape[0]
       and epochs == 1):
@@ -820,6 +823,7 @@ def rl_update(steps: Any, params, opt_state, ref_params, batch, rows: np.ndarray
       shapes["update/width"] = float(packed.width)
       shapes["update/lm_positions"] = float(k)
       shapes["update/rows_computed"] = float(packed.rows)
+      shapes["update/tokens_computed"] = float((packed.segment_ids > 0).sum())
   t0, c0 = time.perf_counter(), compile_seconds()
   if not np.asarray(valid_groups).any():
     m = {"loss": 0.0, "kl": 0.0, "pg_loss": 0.0, **shapes, "time/update_compile_s": 0.0}
