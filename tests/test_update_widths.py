@@ -114,18 +114,14 @@ def test_width_comes_from_the_valid_groups_rows_only():
 
 
 def test_lm_positions_are_the_budget_at_most_w_minus_1():
-  """K is a function of W alone (one program per width of the grid, issue #50); packed rows
-  (``trim=True``) still take the trained rows' generated tokens, bucketed."""
+  """K is a function of W alone (one program per width of the grid, issue #50); a packed row's
+  is W' - 1, every target it holds (several rows' generations may exceed the budget)."""
   b = _batch()
   _, mask, _ = batch_lib.train_batch(b, ROWS, VALID, _advantages())
   assert batch_lib.lm_positions(mask, 80) == 63          # the budget, at most W - 1 = 63
   assert batch_lib.lm_positions(np.zeros((2, 160), np.float32), 80) == 80
   assert batch_lib.lm_positions(np.ones((2, 40), np.float32), 80) == 39
-  assert batch_lib.lm_positions(mask, 80, trim=True) == 32          # 21 generated at most
-  _, all_mask, _ = batch_lib.train_batch(b, ROWS, np.ones(P, bool), _advantages())
-  assert batch_lib.lm_positions(all_mask, 80, trim=True) == 64      # the filler rows' 60
-  assert batch_lib.lm_positions(all_mask, 50, trim=True) == 50      # capped at the bound
-  assert batch_lib.lm_positions(np.zeros((2, 64), np.float32), 80, trim=True) == 32
+  assert update_lib.packed_lm_positions(128) == 127 and update_lib.packed_lm_positions(1) == 1
 
 
 def test_update_widths_are_a_grid_of_four():

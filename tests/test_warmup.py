@@ -203,21 +203,30 @@ def _count_compiles_after_warm_up(cfg, workdir: str) -> dict:
   return dict(_after["names"])
 
 
+def _smoke_rl(max_train_questions: int):
+  """The smoke config for a compile count: 8 prompts x 2, every group trained (GRPO), 2 RL steps,
+  no evaluation, samples or persistent cache; the compile listener registered."""
+  sys.path.insert(0, ROOT)
+  from configs import smoke  # pylint: disable=import-outside-toplevel
+  monitoring.register_event_duration_secs_listener(_on_duration)
+  cfg = smoke.get_config()
+  cfg.data.max_train_questions, cfg.data.prompts_per_step, cfg.data.group_size = (
+      max_train_questions, 8, 2)
+  cfg.data.pool.rule = "grpo"
+  cfg.train.num_steps = 2
+  cfg.train.eval_questions, cfg.train.compile_cache, cfg.train.sample_every = 0, "", 100
+  return cfg
+
+
 @pytest.mark.slow
 def test_no_compile_after_warm_up_at_staleness_1_with_lora_and_on_resume(tmp_path):
   """At ``train.max_staleness = 1`` each update's params are device-copied for the sampler
   thread: that copy is planned too, with LoRA (where no reference copy shares its program) and
   on a resume in the middle of RL (where none is made). Try it: drop ``published_copy`` from
   ``helper_programs``, and ``jit(_copy_arrays)`` compiles after the warm-up."""
-  sys.path.insert(0, ROOT)
-  from configs import smoke  # pylint: disable=import-outside-toplevel
-  monitoring.register_event_duration_secs_listener(_on_duration)
-  cfg = smoke.get_config()
-  cfg.data.max_train_questions, cfg.data.prompts_per_step, cfg.data.group_size = 24, 8, 2
-  cfg.data.pool.rule = "grpo"
+  cfg = _smoke_rl(max_train_questions=24)
   cfg.rollout.max_new_tokens, cfg.rollout.max_obs_tokens = 24, 64
-  cfg.train.sft_steps, cfg.train.sft_batch_size, cfg.train.num_steps = 2, 8, 2
-  cfg.train.eval_questions, cfg.train.compile_cache, cfg.train.sample_every = 0, "", 100
+  cfg.train.sft_steps, cfg.train.sft_batch_size = 2, 8
   cfg.train.max_staleness = 1
   cfg.checkpoint.every_steps = 2
   lora = cfg.copy_and_resolve_references()
@@ -287,16 +296,10 @@ def test_packed_updates_are_planned_and_compile_before_step_1(tmp_path):
   the steps that pack compile nothing. Try it: drop ``packed_programs`` from
   ``update_programs``, and ``jit(step)`` compiles after the warm-up."""
   import json  # pylint: disable=import-outside-toplevel
-  sys.path.insert(0, ROOT)
-  from configs import smoke  # pylint: disable=import-outside-toplevel
-  monitoring.register_event_duration_secs_listener(_on_duration)
-  cfg = smoke.get_config()
-  cfg.data.max_train_questions, cfg.data.prompts_per_step, cfg.data.group_size = 16, 8, 2
-  cfg.data.pool.rule = "grpo"
+  cfg = _smoke_rl(max_train_questions=16)
   cfg.rollout.max_turns, cfg.rollout.max_new_tokens = 0, 16
-  cfg.train.sft_steps, cfg.train.num_steps, cfg.train.micro_batch_size = 0, 2, 0
+  cfg.train.sft_steps, cfg.train.micro_batch_size = 0, 0
   cfg.train.pack_update_rows, cfg.train.pack_max_width = True, 256
-  cfg.train.eval_questions, cfg.train.compile_cache, cfg.train.sample_every = 0, "", 100
   cfg.checkpoint.every_steps = 100
   workdir = str(tmp_path)
   assert _count_compiles_after_warm_up(cfg, workdir) == {}

@@ -251,13 +251,11 @@ def pack_rows(tokens: np.ndarray, loss_mask: np.ndarray, token_advantages: np.nd
   return PackedRows(out_tok, out_mask, out_adv, pos, seg, pre, len(bins), len(trained))
 
 
-def lm_positions(loss_mask: np.ndarray, cap: int, multiple: int = 32, *,
-                 trim: bool = False) -> int:
+def lm_positions(loss_mask: np.ndarray, cap: int) -> int:
   """K, the LM-head positions per row of an update: ``cap`` (the generation budget), at most
   the row's W - 1 targets, so K is a function of W alone and the update has one program per
-  width of :func:`width_grid` (issue #50). ``trim=True`` (packed rows, whose widths are outside
-  the grid anyway): the most loss-masked (generated) target tokens of any row, bucketed to a
-  multiple of ``multiple``.
+  width of :func:`width_grid` (issue #50). Packed rows take W' - 1
+  (:func:`gigrl.update.step.packed_lm_positions`).
 
   Args:
     loss_mask: f32[B, W] of the update's rows (aligned with the tokens; targets are [:, 1:]).
@@ -265,10 +263,7 @@ def lm_positions(loss_mask: np.ndarray, cap: int, multiple: int = 32, *,
   Returns:
     K >= 1.
   """
-  if not trim:
-    return max(1, min(int(cap), loss_mask.shape[1] - 1))
-  n = int((np.asarray(loss_mask)[:, 1:] > 0).sum(axis=1).max(initial=0))
-  return max(1, min(int(cap), loss_mask.shape[1] - 1, bucket(max(n, 1), cap, multiple)))
+  return max(1, min(int(cap), loss_mask.shape[1] - 1))
 
 
 def sft_indices(num_demos: int, batch_size: int, seed: int, step: int) -> np.ndarray:

@@ -807,7 +807,8 @@ def rl_update(steps: Any, params, opt_state, ref_params, batch, rows: np.ndarray
     cap = batch.tokens.shape[1] if pack is True else int(pack)
     packed = batch_lib.pack_rows(tokens, mask, tok_adv, batch.lengths[sel], groups,
                                  max_width=cap)
-    # without micro-batches a packed row is one; it pays when fewer token rows are computed
+    # without micro-batches, pack_micro_rows packed rows to a micro-batch; packing pays
+    # when fewer token rows are computed
     pmicro = micro if micro < tokens.shape[0] else int(pack_micro_rows)
     token_rows = lambda n, m, width: -(-n // m) * m * width
     unpacked = (token_rows(rows_trained, micro, w) if micro < tokens.shape[0]
