@@ -481,6 +481,30 @@ def test_sampler_process_errors_name_the_field(tmp_path):
     config_lib.validate(cfg)
 
 
+def test_a_stop_from_one_trainer_process_waits_for_the_others_loss():
+  """CI's race (trainer process 1 of 2 killed, the sampler exited 0): process 0's receiver
+  ends with a clean stop at once while process 1's, still busy putting a version on the
+  devices, records its lost connection 0.3 s later; the sampler's check after a stop hears
+  every receiver out and raises that loss (exit 2), and with no loss it returns."""
+  from gigrl.training import sampler_process  # pylint: disable=import-outside-toplevel
+  errors: list[BaseException] = []
+  lost = sampler_process.SamplerError("trainer process 1 closed its connection")
+
+  def busy_then_lost():
+    time.sleep(0.3)
+    errors.append(lost)
+
+  receivers = [threading.Thread(target=lambda: None), threading.Thread(target=busy_then_lost)]
+  for th in receivers:
+    th.start()
+  with pytest.raises(sampler_process.SamplerError, match="trainer process 1"):
+    sampler_process._raise_if_any_lost(receivers, errors)  # pylint: disable=protected-access
+  clean = [threading.Thread(target=lambda: time.sleep(0.1)) for _ in range(2)]
+  for th in clean:
+    th.start()
+  sampler_process._raise_if_any_lost(clean, [])  # pylint: disable=protected-access
+
+
 def test_params_pieces_assemble_to_the_trainer_params():
   """Each process's shards of a leaf (replica id 0 only) assemble to the whole leaf: here the
   8 simulated devices' shards of an FSDP-sharded leaf and of a replicated one (sent once), as a

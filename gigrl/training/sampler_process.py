@@ -80,6 +80,7 @@ from gigrl.training import warmup
 
 CONNECT_TIMEOUT_S = 1800.0    # how long either side waits for the other to connect
 ENV_KEY = "GIGRL_SAMPLER_KEY"
+STOP_WAIT_S = 60.0            # after one trainer process's stop, how long the others may take
 
 
 class SamplerError(UserError):
@@ -591,8 +592,7 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
         try:
           r, _ = sampler.get(step)
         except overlap.Stopped:
-          if errors:
-            raise errors[0] from None
+          _raise_if_any_lost(receivers, errors)
           break
         except Exception as e:  # pylint: disable=broad-except
           if distributed.lost_process(e):   # a failed collective: another process is gone
@@ -627,6 +627,19 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
     for c in conns + [c for c, _ in peers]:
       c.close()
   return sent
+
+
+def _raise_if_any_lost(receivers: Sequence[threading.Thread], errors: list[BaseException],
+                       wait: float = STOP_WAIT_S) -> None:
+  """After a trainer process's stop: waits (up to ``wait`` seconds each) for every receiving
+  thread to end, then raises the first error any of them recorded (a connection lost without a
+  stop). One process's stop may come before another's loss is seen (when trainer process 1 is
+  killed, process 0 stops cleanly while process 1's receiver may still be putting a version on
+  the devices), and a sampler that stopped then would exit 0 for a run that lost a process."""
+  for th in receivers:
+    th.join(wait)
+  if errors:
+    raise errors[0] from None
 
 
 def _lost_process(err: Exception, address: str) -> SamplerError:
