@@ -6,9 +6,10 @@ SmolLM2-135M's attention shapes (30 layers, 9 query heads on 3 KV heads, Dh 64),
 query token a row, a `fori_loop` of decode steps over per-layer cache slabs (nothing else: no
 weight products, norms or sampling), timed as (9 steps - 1 step) / 8. Two layouts of the keys:
 
-* `head-major` [B, KV, S, Dh]: today's (`attention.attend_one_head_major`, `sampler._kv_ops`):
+* `head-major` [B, KV, S, Dh]: the layout before 2026-11-28 (its maths kept here, `_hm_attend`):
   the scores reduce over Dh, the slab's minor axis;
-* `K^T` [B, KV, Dh, S]: the scores reduce over a major axis, vectorised along S.
+* `K^T` [B, KV, Dh, S]: the scores reduce over a major axis, vectorised along S (the CPU decode
+  loop's layout since: `attention.attend_one_head_major`, `sampler._kv_ops`).
 
 Also prints the slabs' read floor (K and V once a step at `_machine.figures()`'s read rate) and
 the largest difference between the two layouts' outputs. Issue #50 (decode within 2x of its
@@ -34,11 +35,11 @@ from gigrl.models import attention as attn  # noqa: E402
 LAYERS, KV, HEADS, DH = 30, 3, 9, 64
 
 
-def _kt_attend(q, kt, v, mask):
-  """`attend_one_head_major`'s maths on keys laid out [B, KV, Dh, S]."""
+def _hm_attend(q, k, v, mask):
+  """`attend_one_head_major`'s maths on keys laid out [B, KV, S, Dh] (before 2026-11-28)."""
   b, _, h, hd = q.shape
-  qg = q.reshape(b, KV, h // KV, hd, 1)
-  s = jnp.sum(qg * kt[:, :, None], axis=-2) * (1.0 / math.sqrt(hd))     # [B, KV, G, S]
+  qg = q.reshape(b, KV, h // KV, 1, hd)
+  s = jnp.sum(qg * k[:, :, None], axis=-1) * (1.0 / math.sqrt(hd))      # [B, KV, G, S]
   s = jnp.where(mask[:, :, None, :], s, -1e30)
   p = jax.nn.softmax(s, axis=-1)
   return jnp.einsum("bkgs,bksd->bkgd", p, v).reshape(b, 1, h, hd)
@@ -53,7 +54,7 @@ def step_ms(rows: int, span: int, kt: bool) -> tuple[float, jax.Array]:
     ks = tuple(jnp.swapaxes(k, -1, -2) for k in ks)
   q = jax.random.normal(keys[-1], (rows, 1, HEADS, DH))
   mask = jnp.broadcast_to(jnp.arange(span)[None, None, :] < span - 8, (rows, 1, span))
-  one = _kt_attend if kt else attn.attend_one_head_major
+  one = attn.attend_one_head_major if kt else _hm_attend
 
   @jax.jit
   def run(ks, vs, x, n):

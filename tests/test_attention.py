@@ -30,10 +30,11 @@ def test_decode_attention_path_matches_einsum():
 
 @pytest.mark.parametrize("kv", [1, 2, 8])
 def test_head_major_decode_attention_matches_attend(kv):
-  """The decode loop's head-major [B, KV, S, Dh] slab gives `attend`'s output, GQA and MHA."""
+  """The decode loop's head-major slabs (keys [B, KV, Dh, S], values [B, KV, S, Dh]) give
+  `attend`'s output, GQA and MHA."""
   q, k, v = _qkv(1, 3, 1, 10, h=8, kv=kv, hd=16)
   mask = (jnp.arange(10)[None, None, :] <= jnp.array([0, 4, 9])[:, None, None])
-  got = attn.attend_one_head_major(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
+  got = attn.attend_one_head_major(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask)
   np.testing.assert_allclose(got, attn.attend(q, k, v, mask), atol=1e-5)
 
 

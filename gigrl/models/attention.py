@@ -11,7 +11,8 @@ inside a function, so tests run every path on CPU:
                                                         on a GPU where it applies)
   KV-cache extend (prefill, decode, backend="cpu":      `attend`; the decode loop:
   observation insertion)                                `attend_one_head_major` on its
-                                                        head-major [B, KV, S, Dh] buffers
+                                                        head-major buffers: keys
+                                                        [B, KV, Dh, S], values [B, KV, S, Dh]
                                     backend="accelerator": `attend_cache_blocks` (reads
                                                         only the filled cache blocks)
 
@@ -90,19 +91,20 @@ def attend_one_head_major(q: jax.Array, k: jax.Array, v: jax.Array,
                           mask: jax.Array) -> jax.Array:
   """Decode-step attention on a head-major cache slab: one query per row.
 
-  Same maths as `attend` (one query token, q: [B, 1, H, Dh], mask bool[B, 1, S]) on k, v
-  laid out [B, KV, S, Dh], as the CPU decode loop holds them (`sampler._kv_ops`): the slab
-  is read where it lies, with no transpose and none of `attend_one`'s KV-fold extra
-  multiply-adds. The scores are a multiply and a reduction over Dh, not a dot: XLA:CPU's
-  batched dot for [G, Dh] x [S, Dh]^T fell off a cliff past a few hundred slots (649 ms
-  at S=640 against 43 ms at S=256), the reduction scales with S. The values' product is
-  a batched dot. Decode attention is memory bound: at B=64, KV=3, Dh=64 (SmolLM2), 30
-  layers, on XLA:CPU (2 cores), 30 ms a step at S=256 and 70 ms at S=640, against 72 and
-  151 ms for `attend_one` on the [B, S, KV, Dh] layout.
+  Same maths as `attend` (one query token, q: [B, 1, H, Dh], mask bool[B, 1, S]) on keys
+  laid out [B, KV, Dh, S] and values [B, KV, S, Dh], as the CPU decode loop holds them
+  (`sampler._kv_ops`): the slab is read where it lies, with no transpose and none of
+  `attend_one`'s KV-fold extra multiply-adds. The scores are a multiply and a reduction over
+  Dh, not a dot: XLA:CPU's batched dot for [G, Dh] x [S, Dh]^T fell off a cliff past a few
+  hundred slots (649 ms at S=640 against 43 ms at S=256). With the keys transposed the
+  reduction runs over a major axis, vectorised along S: on the 2-core Xeon, 30 layers of
+  SmolLM2 (KV=3, Dh=64) at B=64 over 256 slots, 69 ms a step against 80 with keys
+  [B, KV, S, Dh] (10 -> 6 ms at B=8 over 208 slots; `benchmarks/decode_attention.py`).
+  The values' product is a batched dot. Decode attention is memory bound.
 
   Args:
     q: [B, 1, H, Dh].
-    k, v: [B, KV, S, Dh].
+    k: [B, KV, Dh, S]; v: [B, KV, S, Dh].
     mask: bool[B, 1, S] (True = may attend).
   Returns:
     [B, 1, H, Dh] in q's dtype. Scores and softmax are f32.
@@ -110,8 +112,8 @@ def attend_one_head_major(q: jax.Array, k: jax.Array, v: jax.Array,
   b, _, h, hd = q.shape
   kv = k.shape[1]
   g = h // kv
-  qg = q.reshape(b, kv, g, 1, hd).astype(jnp.promote_types(q.dtype, k.dtype))
-  s = jnp.sum((qg * k[:, :, None]).astype(jnp.float32), axis=-1) * (1.0 / math.sqrt(hd))
+  qg = q.reshape(b, kv, g, hd, 1).astype(jnp.promote_types(q.dtype, k.dtype))
+  s = jnp.sum((qg * k[:, :, None]).astype(jnp.float32), axis=-2) * (1.0 / math.sqrt(hd))
   s = jnp.where(mask[:, :, None, :], s, _NEG)                          # [B, KV, G, S]
   p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
   o = jnp.einsum("bkgs,bksd->bkgd", p, v, preferred_element_type=jnp.float32)

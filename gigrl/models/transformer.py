@@ -643,7 +643,8 @@ class Transformer(nnx.Module):
 
     Args:
       layer_params: L dicts from `self.layers.unstacked(dtype)`.
-      ks, vs: L head-major arrays [B, KV, S_max, Dh] each (the decode loop's layout, where
+      ks, vs: L head-major arrays each, keys [B, KV, Dh, S_max] and values
+        [B, KV, S_max, Dh] (the decode loop's layout, where
         one-token attention reads the slab without transposing it:
         `attention.attend_one_head_major`), in the cache dtype or wider (the CPU decode
         loop holds a bf16 cache as f32: one conversion per call, not per layer and step).
@@ -655,7 +656,7 @@ class Transformer(nnx.Module):
     """
     if tokens.shape[1] != 1:
       raise ValueError(f"extend_hidden_unstacked decodes one token per row, got {tokens.shape}")
-    s_max = ks[0].shape[2]
+    s_max = vs[0].shape[2]
     lengths = lengths.astype(jnp.int32)
     positions, slots, rows, mask = self._extend_setup(pos, s_max, tokens, lengths)
     x = self.embed_tokens(tokens)
@@ -666,7 +667,8 @@ class Transformer(nnx.Module):
         # k/v are rounded to the cache's dtype first, so a wider (f32) buffer holds exactly
         # the values the cache stores (a 16-bit cache is held as f32 inside sampler.decode)
         idx = (rows, slice(None), slots)       # buf[rows, :, slots] is [B, 1, KV, Dh], as k is
-        ks[i] = write_cache(ks[i], idx, k.astype(self.cfg.cache_dtype))
+        k_idx = (rows, slice(None), slice(None), slots)    # keys [B, KV, Dh, S]: the same
+        ks[i] = write_cache(ks[i], k_idx, k.astype(self.cfg.cache_dtype))
         vs[i] = write_cache(vs[i], idx, v.astype(self.cfg.cache_dtype))
         return attn.attend_one_head_major(q, ks[i], vs[i], mask), None
 
