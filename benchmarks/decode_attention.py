@@ -22,7 +22,6 @@ import argparse
 import math
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gigrl.models import attention as attn  # noqa: E402
+from _timing import timed_runs  # noqa: E402
 
 LAYERS, KV, HEADS, DH = 30, 3, 9, 64
 
@@ -64,15 +64,8 @@ def step_ms(rows: int, span: int, kt: bool) -> tuple[float, jax.Array]:
       return x
     return jax.lax.fori_loop(0, n, body, x)
 
-  best = {}
-  for n in (1, 9):
-    run(ks, vs, q, n).block_until_ready()
-    walls = []
-    for _ in range(3):
-      t0 = time.perf_counter()
-      run(ks, vs, q, n).block_until_ready()
-      walls.append(time.perf_counter() - t0)
-    best[n] = min(walls)
+  best = {n: min(timed_runs(lambda n=n: run(ks, vs, q, n).block_until_ready(), 3)[0])
+          for n in (1, 9)}
   return (best[9] - best[1]) / 8 * 1e3, run(ks, vs, q, 2)
 
 

@@ -28,8 +28,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import json  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # the benchmarks' helpers
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -63,7 +62,6 @@ def step_ms(g, st, cfg, rows: int, span: int | None, new: int = 32, prompt: int 
 def floors(g, st, cfg, rows: int, span: int, figures: dict, peak: float) -> dict:
   """The decode step of ``rows`` rows over ``span`` slots beside its floors (module docstring),
   all in ms a step."""
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import _floors  # pylint: disable=import-outside-toplevel
   from _gemm_floor import decode_gemm_seconds  # pylint: disable=import-outside-toplevel
   mf = _floors.model_figures(cfg)
@@ -104,7 +102,6 @@ def main() -> None:
 
 
 def _floors_table(a, g, st, cfg) -> None:
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import _machine  # pylint: disable=import-outside-toplevel
   from smollm2_steps import gemm_peak_flops  # pylint: disable=import-outside-toplevel
   fig, peak = _machine.figures(), gemm_peak_flops()
