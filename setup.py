@@ -54,14 +54,14 @@ setuptools.setup(
                     "tpu": ["jax[tpu]>=0.10,<0.11"]},
     entry_points={
         "console_scripts": [
-            "gigrl-train=gigrl.cli.train:run",
-            "gigrl-convert-hf=gigrl.cli.convert:run",
-            "gigrl-compile=gigrl.cli.compile:run",
-            "gigrl-serve-retriever=gigrl.cli.serve_retriever:run",
-            "gigrl-eval=gigrl.cli.eval:run",
-            "gigrl-sweep=gigrl.cli.sweep:run",
-            "gigrl-fetch=gigrl.cli.fetch:run",
-            "gigrl-export=gigrl.cli.export:run",
+            "gigrl-train=gigrl.cli.entry:train",
+            "gigrl-convert-hf=gigrl.cli.entry:convert",
+            "gigrl-compile=gigrl.cli.entry:compile_",
+            "gigrl-serve-retriever=gigrl.cli.entry:serve_retriever",
+            "gigrl-eval=gigrl.cli.entry:eval_",
+            "gigrl-sweep=gigrl.cli.entry:sweep",
+            "gigrl-fetch=gigrl.cli.entry:fetch",
+            "gigrl-export=gigrl.cli.entry:export",
         ]
     },
 )

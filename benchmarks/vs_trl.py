@@ -33,11 +33,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
 import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+if __name__ == "__main__":
+  # as the console scripts do: both sides' large host buffers in transparent huge pages
+  # (gigrl.cli.huge_pages; GIGRL_HUGE_PAGES=0 runs both without)
+  from gigrl.cli import huge_pages  # noqa: E402
+  huge_pages.reexec()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
@@ -45,7 +53,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
 from smollm2_steps import gemm_peak_flops  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT_TOKENS = 160     # the longest countries prompt in SmolLM2's chat template is ~155
 
 
@@ -77,13 +84,15 @@ def gigrl_config(a, max_turns: int):
 def run_gigrl(a, max_turns: int):
   """(per-step rows after the first, the trainer) of an in-process gigrl RL run."""
   from gigrl.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+  faults = []
   with tempfile.TemporaryDirectory() as tmp:
     t = trainer_lib.Trainer(gigrl_config(a, max_turns), tmp)
+    t.rl_step = _count_faults(t.rl_step, faults)
     t.run()
     with open(os.path.join(tmp, "metrics.jsonl")) as f:
       rows = [json.loads(line) for line in f if line.strip()]
   rows = [r for r in rows if r.get("phase") == "rl"][1:]
-  return [{"gen_s": r["time/rollout_s"], "update_s": r["time/update_s"],
+  return [{"gen_s": r["time/rollout_s"], "update_s": r["time/update_s"], "faults": f,
            "step_s": r["step_time_s"],
            "gen_tokens": r["rollout/tokens_per_s"] * r["time/rollout_s"],
            "train_tokens": r["train/tokens_per_s"] * r["time/update_s"],
@@ -91,7 +100,23 @@ def run_gigrl(a, max_turns: int):
            "computed_tokens": r.get("update/tokens_computed",
                                     r["train/tokens_per_s"] * r["time/update_s"]),
            "compile_s": r.get("time/rollout_compile_s", 0.0) + r.get("time/update_compile_s", 0.0),
-           "reward": r["reward_mean"]} for r in rows], t
+           "reward": r["reward_mean"]} for r, f in zip(rows, faults[1:])], t
+
+
+def _faults() -> int:
+  """This process's minor page faults so far (first touches of fresh pages, mostly)."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _count_faults(fn, out: list):
+  """``fn`` that appends the minor page faults of each call to ``out``."""
+  def counted(*args, **kw):
+    f0 = _faults()
+    try:
+      return fn(*args, **kw)
+    finally:
+      out.append(_faults() - f0)
+  return counted
 
 
 def run_trl(a, prompts: list[str], answers: list[list[str]]):
@@ -135,19 +160,22 @@ def run_trl(a, prompts: list[str], answers: list[list[str]]):
 
     trainer._generate_and_score_completions = timed   # pylint: disable=protected-access
 
+    faults = []
+
     class StepTimer(transformers.TrainerCallback):
       def on_step_begin(self, *_, **__):
-        self.t0 = time.perf_counter()
+        self.t0, self.f0 = time.perf_counter(), _faults()
 
       def on_step_end(self, *_, **__):
         steps.append(time.perf_counter() - self.t0)
+        faults.append(_faults() - self.f0)
 
     trainer.add_callback(StepTimer())
     trainer.train()
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
   out = []
-  for i, (step_s, (gen_s, n_gen, n_rows)) in enumerate(zip(steps, gen)):
-    out.append({"gen_s": gen_s, "update_s": step_s - gen_s, "step_s": step_s,
+  for i, (step_s, f, (gen_s, n_gen, n_rows)) in enumerate(zip(steps, faults, gen)):
+    out.append({"gen_s": gen_s, "update_s": step_s - gen_s, "step_s": step_s, "faults": f,
                 "gen_tokens": n_gen, "train_tokens": n_rows,
                 "reward": rewards[i] if i < len(rewards) else float("nan")})
   return out[1:]
@@ -169,7 +197,8 @@ def device_name() -> str:
 
 def summarize(rows: list[dict], n_params: int, peak: float) -> dict:
   med = lambda k: statistics.median(r[k] for r in rows)
-  s = {k: med(k) for k in ("gen_s", "update_s", "step_s", "gen_tokens", "train_tokens")}
+  s = {k: med(k) for k in ("gen_s", "update_s", "step_s", "gen_tokens", "train_tokens",
+                           "faults")}
   s["computed_tokens"] = med("computed_tokens") if "computed_tokens" in rows[0] else s[
       "train_tokens"]
   s["gen_tokens_per_s"] = s["gen_tokens"] / s["gen_s"]
@@ -253,6 +282,8 @@ def main(argv=None) -> None:
         f"f32 GEMM peak {peak / 1e9:.0f} GFLOP/s (XLA); N = {n_params / 1e6:.1f}M", flush=True)
   micro = _machine.figures()         # what decides the ratio on this machine (issue #50)
   print(_machine.line(micro), flush=True)
+  tunables = os.environ.get("GLIBC_TUNABLES", "(unset: glibc's default)")
+  print(f"allocator, both sides: GLIBC_TUNABLES={tunables}", flush=True)
   print(f"batch: {a.prompts} prompts x {a.group} samples, <= {a.tokens} completion tokens, f32, "
         f"lr {a.lr:g}, {a.steps} steps per side (first dropped)", flush=True)
   g_rows, t = run_gigrl(a, max_turns=0)
@@ -269,7 +300,7 @@ def main(argv=None) -> None:
   for key, label in (("gen_s", "generation s"), ("update_s", "update s"), ("step_s", "step s"),
                      ("gen_tokens", "generated tokens"), ("gen_tokens_per_s", "generated tok/s"),
                      ("train_tokens_per_s", "trained tok/s"), ("gen_mfu", "generation MFU"),
-                     ("update_mfu", "update MFU")):
+                     ("update_mfu", "update MFU"), ("faults", "page faults a step")):
     extra = f"   {res['gigrl_multi_turn'][key]:10.3f}" if "gigrl_multi_turn" in res else ""
     speed = f"{r[key] / g[key]:8.2f}" if key in ("gen_s", "update_s", "step_s") else " " * 8
     print(f"{label:24s} {g[key]:10.3f} {r[key]:10.3f} {g[key] / r[key]:10.3f} {speed}{extra}")
@@ -296,7 +327,7 @@ def main(argv=None) -> None:
         f"update {c['update']:.2f}x; targets 2.5x step, 2.0x generation)")
   if a.json:
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-    res.update(device=device_name(), gigrl_over_trl_speedup=res["speedup"][
+    res.update(device=device_name(), glibc_tunables=tunables, gigrl_over_trl_speedup=res["speedup"][
         "step_s"], command="python benchmarks/vs_trl.py " + " ".join(argv or sys.argv[1:]),
                args=vars(a), peak_flops=peak, n_params=n_params, machine=micro)
     with open(a.json, "w") as f:
