@@ -53,14 +53,7 @@ def child(steps: int, turns: int) -> None:
   faults = []
   with tempfile.TemporaryDirectory() as tmp:
     t = trainer_lib.Trainer(vs_trl.gigrl_config(a, turns), tmp)
-    rl_step = t.rl_step
-
-    def counted(step):
-      f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-      out = rl_step(step)
-      faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-      return out
-    t.rl_step = counted
+    t.rl_step = vs_trl.count_faults(t.rl_step, faults)
     t.run()
     rows = [json.loads(x) for x in open(os.path.join(tmp, "metrics.jsonl")) if x.strip()]
   rows = [r for r in rows if r.get("phase") == "rl"]

@@ -87,7 +87,7 @@ def run_gigrl(a, max_turns: int):
   faults = []
   with tempfile.TemporaryDirectory() as tmp:
     t = trainer_lib.Trainer(gigrl_config(a, max_turns), tmp)
-    t.rl_step = _count_faults(t.rl_step, faults)
+    t.rl_step = count_faults(t.rl_step, faults)
     t.run()
     with open(os.path.join(tmp, "metrics.jsonl")) as f:
       rows = [json.loads(line) for line in f if line.strip()]
@@ -108,7 +108,7 @@ def _faults() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def _count_faults(fn, out: list):
+def count_faults(fn, out: list):
   """``fn`` that appends the minor page faults of each call to ``out``."""
   def counted(*args, **kw):
     f0 = _faults()
