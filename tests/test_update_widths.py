@@ -8,6 +8,8 @@ rows are short (a 20-token prompt, <= 21 generated tokens: W = 64, K = 32); the 
 (filler) group's rows are long (150 tokens, 60 generated: W = 160 and K = 80, the generation
 budget (max_turns + 1) × max_new_tokens, when they count).
 """
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -71,7 +73,8 @@ def _leaves(params):
 _REF = {}
 
 
-def _update(cfg, policy, steps, batch, *, trim, valid=VALID, step=1, pack=False):
+def _update(cfg, policy, steps, batch, *, trim, valid=VALID, step=1, pack=False,
+            behaviour=False):
   mini, micro = build.ppo_rows(cfg)
   copy = lambda tree: jax.tree.map(lambda x: x.copy(), tree)
   if id(steps) not in _REF:    # init_opt jits anew on each call: one state per steps, copied
@@ -82,7 +85,7 @@ def _update(cfg, policy, steps, batch, *, trim, valid=VALID, step=1, pack=False)
       ROWS, valid, _advantages(), put=lambda x: build.put_rows(policy.mesh, x),
       mini_batch_rows=mini, micro_batch_rows=micro, epochs=int(cfg.train.ppo_epochs),
       seed=0, step=step, shuffle=True, trim_padding=trim,
-      max_lm_positions=build.max_generated_tokens(cfg), pack=pack)
+      max_lm_positions=build.max_generated_tokens(cfg), pack=pack, behaviour=behaviour)
 
 
 def _assert_same_update(on, off, params):
@@ -244,6 +247,15 @@ def test_pack_rows_writes_a_groups_prompt_once():
   np.testing.assert_array_equal(packed.loss_mask[r, 19:44], mask[2, 19:44])
   assert (seg[44:58] == 3).all() and (pre[44:58] == 1).all() and (seg[58:77] == 4).all()
   assert (pre[77:113] == 4).all() and (seg[113:] == 0).all()
+  # behaviour log-probs, packed in the same call, land where the advantages do
+  behav = -np.arange(1, mask.size + 1, dtype=np.float32).reshape(mask.shape) * mask
+  again = batch_lib.pack_rows(tokens, mask, adv, b.lengths[ROWS.reshape(-1)], groups,
+                              behaviour=behav)
+  assert packed.behaviour is None
+  np.testing.assert_array_equal(again.token_advantages, packed.token_advantages)
+  np.testing.assert_array_equal(again.behaviour, batch_lib.pack_rows(
+      tokens, mask, behav, b.lengths[ROWS.reshape(-1)], groups).token_advantages)
+  np.testing.assert_array_equal(again.behaviour[r, 19:44], behav[2, 19:44])
 
 
 @pytest.mark.parametrize("mode,shared,rows,micro", [
@@ -268,6 +280,29 @@ def test_packed_update_equals_the_unpacked_one(mode, shared, rows, micro):
   assert m_on["update/width"] == 128 and m_on["update/lm_positions"] == 127
   assert (m_on["update/rows"], m_on["update/rows_computed"]) == (6, rows)
   assert (m_off["update/rows"], m_off["update/rows_computed"]) == (6, 6)
+  _assert_same_update(on, off, policy.params)
+
+
+def test_packed_update_with_behaviour_logprobs_equals_the_unpacked_one():
+  """The off-policy correction (``tis``) reads the sampler's log-probs, which the packed update
+  takes packed in the same layout as the advantages (one :func:`pack_rows` call): the loss,
+  metrics (the importance ratios' too) and updated params are those of the unpacked update.
+  Try it: pack them in another layout (e.g. left unpacked, or packed without the groups) and
+  they differ."""
+  cfg, policy = _cfg(micro_batch_size=2), _policy(0)
+  cfg.loss.off_policy_correction = "tis"
+  steps = build.build_steps(cfg, policy)
+  assert steps.behaviour
+  b = _batch(gen=(5, 9, 14, 3, 60, 60, 50, 8), shared_prompts=True)
+  rng = np.random.default_rng(1)
+  b = dataclasses.replace(b, behaviour_logprobs=rng.uniform(
+      -6.0, -3.0, b.tokens.shape).astype(np.float32))
+  on = _update(cfg, policy, steps, b, trim=True, pack=True, behaviour=True)
+  off = _update(cfg, policy, steps, b, trim=True, pack=False, behaviour=True)
+  assert (on[2]["update/rows_computed"], off[2]["update/rows_computed"]) == (2, 6)
+  for k in ("is_ratio_mean", "is_ratio_max", "is_capped_frac", "behaviour_abs_dlogp"):
+    np.testing.assert_allclose(on[2][k], off[2][k], rtol=1e-5, err_msg=k)
+  assert 0 < on[2]["is_capped_frac"] < 1
   _assert_same_update(on, off, policy.params)
 
 

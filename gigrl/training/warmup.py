@@ -145,10 +145,10 @@ def packed_programs(cfg, steps, mesh, params, opt_state, ref_params, put: Callab
   from gigrl.training import build  # pylint: disable=import-outside-toplevel
   cap = build.pack_width(cfg, seq_len)
   b = int(cfg.data.prompts_per_step) * int(cfg.data.group_size)
-  mini, micro = build.ppo_rows(cfg)
-  if not cap or mini < b or int(cfg.train.ppo_epochs) != 1:
+  micro = update_lib.packed_micro_rows(b, *build.ppo_rows(cfg), int(cfg.train.ppo_epochs),
+                                       build.batch_axis_size(mesh))
+  if not cap or micro is None:
     return []
-  micro = micro if micro < b else build.batch_axis_size(mesh)
   out = []
   for w in update_lib.packed_widths(cap):
     k = update_lib.packed_lm_positions(w)

@@ -141,6 +141,8 @@ class PackedRows:
       prefix segment (:func:`gigrl.models.attention.packed_mask`).
     rows: packed rows holding tokens (the rest are empty).
     trajectories: trajectories packed (the rows with loss tokens).
+    behaviour: f32[B, W'], the sampler's log-probs packed like the advantages, when
+      :func:`pack_rows` was given them; else None.
   """
   tokens: np.ndarray
   loss_mask: np.ndarray
@@ -150,6 +152,7 @@ class PackedRows:
   prefix_ids: np.ndarray
   rows: int
   trajectories: int
+  behaviour: np.ndarray | None = None
 
   @property
   def width(self) -> int:
@@ -170,7 +173,8 @@ def _shared_prompt(tokens: np.ndarray, loss_mask: np.ndarray, rows: Sequence[int
 
 def pack_rows(tokens: np.ndarray, loss_mask: np.ndarray, token_advantages: np.ndarray,
               lengths: np.ndarray, groups: np.ndarray | None = None, *,
-              max_width: int | None = None, multiple: int = 64) -> PackedRows:
+              max_width: int | None = None, multiple: int = 64,
+              behaviour: np.ndarray | None = None) -> PackedRows:
   """Packs the rows that carry loss tokens into as few rows as fit, a group's prompt once.
 
   Units: the rows of one group (same ``groups`` id) share their prompt, which is written once,
@@ -192,6 +196,8 @@ def pack_rows(tokens: np.ndarray, loss_mask: np.ndarray, token_advantages: np.nd
     groups: i32[B]: the group of each row (rows of a group have the same prompt); None = no
       prompt is shared.
     max_width: the widest packed row allowed (default W).
+    behaviour: optional f32[B, W], the sampler's log-probs aligned with ``tokens``, packed in the
+      same layout as ``token_advantages`` (the off-policy correction's input).
   Returns:
     :class:`PackedRows`, [B, W'] each.
   """
@@ -225,6 +231,7 @@ def pack_rows(tokens: np.ndarray, loss_mask: np.ndarray, token_advantages: np.nd
   shape = (b, width)
   out_tok, out_mask = np.zeros(shape, tokens.dtype), np.zeros(shape, loss_mask.dtype)
   out_adv = np.zeros(shape, token_advantages.dtype)
+  out_behav = None if behaviour is None else np.zeros(shape, behaviour.dtype)
   pos, seg, pre = np.zeros(shape, np.int32), np.zeros(shape, np.int32), np.full(shape, -1,
                                                                                  np.int32)
   for r, units_r in enumerate(bins):
@@ -244,11 +251,14 @@ def pack_rows(tokens: np.ndarray, loss_mask: np.ndarray, token_advantages: np.nd
         out_tok[r, at:at + n] = tokens[i, shared:shared + n]
         out_mask[r, at:at + n] = loss_mask[i, shared:shared + n]
         out_adv[r, at:at + n] = token_advantages[i, shared:shared + n]
+        if out_behav is not None:
+          out_behav[r, at:at + n] = behaviour[i, shared:shared + n]
         pos[r, at:at + n] = np.arange(shared, shared + n)
         seg[r, at:at + n] = sid
         pre[r, at:at + n] = prefix
         at += n
-  return PackedRows(out_tok, out_mask, out_adv, pos, seg, pre, len(bins), len(trained))
+  return PackedRows(out_tok, out_mask, out_adv, pos, seg, pre, len(bins), len(trained),
+                    out_behav)
 
 
 def lm_positions(loss_mask: np.ndarray, cap: int) -> int:

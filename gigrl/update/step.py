@@ -743,6 +743,22 @@ def packed_widths(cap: int, multiple: int = 64) -> list[int]:
                                                                     multiple)})
 
 
+def packed_micro_rows(rows: int, mini_batch_rows: int, micro_batch_rows: int, epochs: int,
+                      pack_micro_rows: int) -> int | None:
+  """The packed rows a micro-batch of a packed update holds, or None where packing cannot apply.
+
+  Packing applies to a step of one update (one mini-batch of all ``rows`` trained rows, one
+  epoch). With micro-batches (``micro_batch_rows`` < ``rows``, 0 = none) a packed micro-batch
+  holds as many rows as an unpacked one; without, ``pack_micro_rows`` (the mesh's batch-axis
+  size, so each device holds a row). :func:`rl_update` and the warm-up's program list
+  (:func:`gigrl.training.warmup.packed_programs`) both decide with it.
+  """
+  micro = int(micro_batch_rows) or rows
+  if int(mini_batch_rows) < rows or int(epochs) != 1:
+    return None
+  return micro if micro < rows else int(pack_micro_rows)
+
+
 def rl_update(steps: Any, params, opt_state, ref_params, batch, rows: np.ndarray,
               valid_groups: np.ndarray, advantages: np.ndarray, *, put: Callable,
               mini_batch_rows: int, micro_batch_rows: int, epochs: int, seed: int, step: int,
@@ -800,23 +816,20 @@ def rl_update(steps: Any, params, opt_state, ref_params, batch, rows: np.ndarray
   shapes["update/tokens_computed"] = float(np.minimum(batch.lengths[np.asarray(rows).reshape(-1)][
       mask[:, 1:].sum(axis=1) > 0], w).sum())
   packing = None
-  if (pack and trim_padding and max_lm_positions and mini_batch_rows >= tokens.shape[0]
-      and epochs == 1):
+  pmicro = packed_micro_rows(tokens.shape[0], mini_batch_rows, micro_batch_rows, epochs,
+                             pack_micro_rows)
+  if pack and trim_padding and max_lm_positions and pmicro is not None:
     sel = np.asarray(rows).reshape(-1)
     groups = np.repeat(np.arange(rows.shape[0]), rows.shape[1])
     cap = batch.tokens.shape[1] if pack is True else int(pack)
     packed = batch_lib.pack_rows(tokens, mask, tok_adv, batch.lengths[sel], groups,
-                                 max_width=cap)
-    # without micro-batches, pack_micro_rows packed rows to a micro-batch; packing pays
-    # when fewer token rows are computed
-    pmicro = micro if micro < tokens.shape[0] else int(pack_micro_rows)
+                                 max_width=cap, behaviour=behav)
+    # packing pays when fewer token rows are computed
     token_rows = lambda n, m, width: -(-n // m) * m * width
     unpacked = (token_rows(rows_trained, micro, w) if micro < tokens.shape[0]
                 else tokens.shape[0] * w)
     if pmicro < tokens.shape[0] and token_rows(packed.rows, pmicro, packed.width) < unpacked:
-      if behav is not None:   # the same layout (pack_rows is a function of tokens and mask)
-        behav = batch_lib.pack_rows(tokens, mask, behav, batch.lengths[sel], groups,
-                                    max_width=cap).token_advantages
+      behav = packed.behaviour
       tokens, mask, tok_adv = packed.tokens, packed.loss_mask, packed.token_advantages
       packing = (packed.positions, packed.segment_ids, packed.prefix_ids)
       k = packed_lm_positions(packed.width)
