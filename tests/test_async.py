@@ -10,6 +10,7 @@ one on 1 process x 2 devices, and a killed sampler or trainer process loses noth
 """
 import importlib.util
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -504,6 +505,94 @@ def test_a_stop_from_one_trainer_process_waits_for_the_others_loss():
     th.start()
   sampler_process._raise_if_any_lost(clean, [])  # pylint: disable=protected-access
 
+
+
+def test_a_trainer_that_fails_tells_the_sampler():
+  """A trainer process that exits with an error sends Failed (its error) in place of the clean
+  stop, and the sampler's reader of that process returns a one-line SamplerError naming it (so
+  the sampler exits 2, not 0 as after a stop); a clean stop returns None, a closed connection
+  the lost-connection error."""
+  import multiprocessing.connection as mpc  # pylint: disable=import-outside-toplevel
+  from gigrl.training import sampler_process  # pylint: disable=import-outside-toplevel
+  start = sampler_process.Start(first_rl_step=1, last_step=2, sft_steps=0, max_staleness=1,
+                                version=0, pool_state={})
+  port = _free_port()
+  listener = mpc.Listener(("localhost", port), authkey=sampler_process._authkey())  # pylint: disable=protected-access
+  got: dict = {}
+
+  def serve():
+    conn = listener.accept()
+    added = []
+    got["error"] = sampler_process._read_trainer(  # pylint: disable=protected-access
+        conn, 0, added.append, f"localhost:{port}")
+    got["added"] = added
+    conn.close()
+
+  th = threading.Thread(target=serve)
+  th.start()
+  remote = sampler_process.RemoteSampler(f"localhost:{port}", start, [], lambda _: None)
+  remote.close(RuntimeError("step 5: the update's loss is NaN\nmore"))
+  th.join(30)
+  listener.close()
+  assert [type(m).__name__ for m in got["added"]] == ["Hello", "Start", "Params"]
+  err = got["error"]
+  assert isinstance(err, sampler_process.SamplerError), err
+  assert str(err).startswith(f"trainer process 0 of train.sampler_address=localhost:{port} "
+                             "failed (RuntimeError: step 5: the update's loss is NaN): rerun"), (
+                                 str(err))
+  a, b = multiprocessing.Pipe()
+  a.send(None)
+  assert sampler_process._read_trainer(b, 1, lambda m: None, "x") is None  # pylint: disable=protected-access
+  a.close()
+  assert "closed its connection to train.sampler_address=x" in str(
+      sampler_process._read_trainer(b, 1, lambda m: None, "x"))  # pylint: disable=protected-access
+
+
+def test_a_lost_peer_is_recognised_whatever_jax_raises(monkeypatch):
+  """What CI met once (1eb2846): gloo's reset came as a ValueError from process_allgather, not
+  a JaxRuntimeError. On 2 processes (jax.process_count faked) a lost peer's message anywhere in
+  the error's cause chain, whatever its type, is recognised and marks the cluster; the sampler's
+  get then raises a one-line SamplerError naming the address. Any other error, overlap.Stopped,
+  and a lost peer's message on one process pass through unchanged."""
+  from gigrl import distributed  # pylint: disable=import-outside-toplevel
+  from gigrl.training import sampler_process  # pylint: disable=import-outside-toplevel
+  monkeypatch.setitem(distributed._peer_lost, "lost", False)  # pylint: disable=protected-access
+  gone = ValueError("Gloo AllGather failed: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+                    "Read error [127.0.0.1]:4242: Connection reset by peer")
+
+  class Get:
+    def __init__(self, err):
+      self.err = err
+
+    def get(self, step):
+      raise self.err
+
+  def wrapped(err):
+    try:
+      raise err
+    except ValueError as e:
+      try:
+        raise RuntimeError("process_allgather failed") from e
+      except RuntimeError as outer:
+        return outer
+
+  assert not distributed.lost_process(gone)              # one process: not a lost peer
+  assert not distributed.peer_was_lost()
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  assert not distributed.lost_process(ValueError("shapes (2,) and (3,) do not match"))
+  assert not distributed.peer_was_lost()
+  assert distributed.lost_process(wrapped(gone))         # in the cause chain
+  assert distributed.peer_was_lost()
+  monkeypatch.setitem(distributed._peer_lost, "lost", False)  # pylint: disable=protected-access
+  with pytest.raises(sampler_process.SamplerError,
+                     match=r"^sampler process 0: a collective of the 2 processes failed "
+                           r"\(ValueError: .*Connection reset by peer\).*localhost:1234") as e:
+    sampler_process._get(Get(gone), 3, "localhost:1234")  # pylint: disable=protected-access
+  assert "\n" not in str(e.value) and distributed.peer_was_lost()
+  with pytest.raises(ValueError, match="do not match"):
+    sampler_process._get(Get(ValueError("do not match")), 3, "x")  # pylint: disable=protected-access
+  with pytest.raises(overlap.Stopped):
+    sampler_process._get(Get(overlap.Stopped()), 3, "x")  # pylint: disable=protected-access
 
 def test_params_pieces_assemble_to_the_trainer_params():
   """Each process's shards of a leaf (replica id 0 only) assemble to the whole leaf: here the

@@ -149,10 +149,11 @@ def paused(sampler: "Synchronous | Sampler | None"):
   return contextlib.nullcontext() if sampler is None else sampler.paused()
 
 
-def close(sampler: "Synchronous | Sampler | None") -> None:
-  """:meth:`Sampler.close` when there is one."""
+def close(sampler: "Synchronous | Sampler | None", error: BaseException | None = None) -> None:
+  """:meth:`Sampler.close` when there is one. ``error``: the exception the trainer is exiting
+  with, if any (a sampler process is then told that the trainer failed, not that it is done)."""
   if sampler is not None:
-    sampler.close()
+    sampler.close(error)
 
 
 class Stopped(Exception):
@@ -204,7 +205,7 @@ class Synchronous:
     """Nothing runs between two steps: a no-op context."""
     return contextlib.nullcontext()
 
-  def close(self) -> None:
+  def close(self, error: BaseException | None = None) -> None:  # pylint: disable=unused-argument
     """Nothing to close."""
 
 
@@ -307,7 +308,7 @@ class Sampler:
       self.stopped = True
       self.cond.notify_all()
 
-  def close(self) -> None:
+  def close(self, error: BaseException | None = None) -> None:  # pylint: disable=unused-argument
     """Stops the sampler thread (a step it is sampling finishes first)."""
     self.stop()
     self.thread.join()

@@ -22,7 +22,8 @@ They share the TCP connections (:mod:`multiprocessing.connection`, authenticated
   arguments, the query pool's state); then the params RL starts from and, after each update, the
   new ones, as :class:`Params`: the process's own shards of every leaf, read to its host (no
   collective: each host sends what it holds, one copy of each shard over the cluster); then
-  ``None`` to stop. The sampler assembles a version when every trainer process's shards of it
+  ``None`` to stop, or a :class:`Failed` when the trainer process exits with an error (the
+  sampler then exits 2 naming it, not 0). The sampler assembles a version when every trainer process's shards of it
   have arrived: the weights move by host broadcast, in pieces.
 * sampler -> every trainer process: each RL step's :class:`gigrl.training.overlap.Rollout`, in
   step order (pickled once, the same bytes to each), or a :class:`Failed` naming its error.
@@ -140,7 +141,8 @@ class Params:
 
 @dataclasses.dataclass
 class Failed:
-  """Sampler -> trainer: the sampler's error, in words."""
+  """The sampler's error, in words (sampler -> trainer), or a trainer process's that exits with
+  an error (trainer -> sampler, in place of the clean stop ``None``)."""
   message: str
 
 
@@ -257,8 +259,8 @@ class RemoteSampler:
     try:
       while True:
         item = self.outbox.get()
-        if item is None:
-          self.conn.send(None)
+        if item is None or isinstance(item, Failed):   # done, or the trainer failed
+          self.conn.send(item)
           return
         version, leaves, arrays = item
         pieces = arrays if isinstance(arrays, list) else _pieces(arrays)
@@ -308,12 +310,13 @@ class RemoteSampler:
     """Nothing to hold: evaluations run on the trainer's devices and retriever."""
     return contextlib.nullcontext()
 
-  def close(self) -> None:
-    """Tells the sampler process to stop, and closes the connection (idempotent)."""
+  def close(self, error: BaseException | None = None) -> None:
+    """Tells the sampler process to stop, or with ``error`` (the exception this trainer process
+    exits with) that it failed, and closes the connection (idempotent)."""
     if self.closed:
       return
     self.closed = True
-    self.outbox.put(None)
+    self.outbox.put(None if error is None else Failed(f"{type(error).__name__}: {error}"))
     self.sender.join(timeout=60)
     self.conn.close()
 
@@ -570,16 +573,9 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
         forward(None)
 
     def receive(conn, i: int) -> None:   # the weights, put on the devices as they come
-      try:
-        while (msg := conn.recv()) is not None:
-          versions.add(msg)
-      except (EOFError, OSError):     # gone without saying stop: killed, or lost
-        errors.append(SamplerError(
-            f"trainer process {i} closed its connection to train.sampler_address={address} "
-            "without stopping the sampler: rerun both commands to resume from the trainer's "
-            "last checkpoint"))
-      except BaseException as e:  # pylint: disable=broad-except
-        errors.append(e)          # raised by the sampling loop, which tells the trainer
+      error = _read_trainer(conn, i, versions.add, address)
+      if error is not None:
+        errors.append(error)
       stop()
 
     receivers = [threading.Thread(target=receive, args=(c, i), name=f"gigrl-weights-{i}",
@@ -590,14 +586,10 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
     try:
       for step in range(start.first_rl_step, start.last_step + 1):
         try:
-          r, _ = sampler.get(step)
+          r, _ = _get(sampler, step, address)
         except overlap.Stopped:
           _raise_if_any_lost(receivers, errors)
           break
-        except Exception as e:  # pylint: disable=broad-except
-          if distributed.lost_process(e):   # a failed collective: another process is gone
-            raise _lost_process(e, address) from None
-          raise
         data = pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL)     # once, for every process
         for i, c in enumerate(conns):
           try:
@@ -629,6 +621,27 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
   return sent
 
 
+def _read_trainer(conn, i: int, add: Callable[[Any], None], address: str) -> BaseException | None:
+  """Reads trainer process ``i``'s messages off ``conn`` into ``add`` until it stops. Returns
+  None after its clean stop (``None``), else the error to exit with: a :class:`SamplerError`
+  when the trainer process failed (its :class:`Failed`) or its connection closed without a stop
+  (killed, or lost), or whatever ``add`` raised (the sampling loop tells the trainer)."""
+  rerun = "rerun both commands to resume from the trainer's last checkpoint"
+  try:
+    while (msg := conn.recv()) is not None:
+      if isinstance(msg, Failed):       # the trainer process is exiting with an error
+        first = msg.message.strip().splitlines()[0] if msg.message.strip() else "no message"
+        return SamplerError(f"trainer process {i} of train.sampler_address={address} failed "
+                            f"({first}): {rerun}")
+      add(msg)
+  except (EOFError, OSError):         # gone without saying stop: killed, or lost
+    return SamplerError(f"trainer process {i} closed its connection to "
+                        f"train.sampler_address={address} without stopping the sampler: {rerun}")
+  except BaseException as e:  # pylint: disable=broad-except
+    return e
+  return None
+
+
 def _raise_if_any_lost(receivers: Sequence[threading.Thread], errors: list[BaseException],
                        wait: float = STOP_WAIT_S) -> None:
   """After a trainer process's stop: waits (up to ``wait`` seconds each) for every receiving
@@ -642,15 +655,24 @@ def _raise_if_any_lost(receivers: Sequence[threading.Thread], errors: list[BaseE
     raise errors[0] from None
 
 
-def _lost_process(err: Exception, address: str) -> SamplerError:
-  """What a sampler process raises when ``err`` says another process is gone
+def _get(sampler: overlap.Sampler, step: int, address: str):
+  """``sampler.get(step)`` on any sampler process. When it fails because another process is gone
   (:func:`distributed.lost_process`, e.g. gloo's "Connection reset by peer" when another sampler
-  process was killed): a :class:`SamplerError` (one line, exit 2) that says to rerun, the
-  cluster marked as having lost a process (the exit skips jax's shutdown barrier, which would
-  wait 100 s for it and then abort the survivor)."""
-  return SamplerError(
-      f"sampler {distributed.lost_process_message(err)}: rerun the trainer and every sampler "
-      f"process (train.sampler_address={address}) to resume from the trainer's last checkpoint")
+  process was killed) it raises a :class:`SamplerError` instead (one line, exit 2) that says to
+  rerun, the cluster marked as having lost a process (the exit skips jax's shutdown barrier,
+  which would wait 100 s for it and then abort the survivor). ``overlap.Stopped`` and any other
+  error pass through unchanged."""
+  try:
+    return sampler.get(step)
+  except overlap.Stopped:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    if distributed.lost_process(e):   # a failed collective: another process is gone
+      raise SamplerError(
+          f"sampler {distributed.lost_process_message(e)}: rerun the trainer and every sampler "
+          f"process (train.sampler_address={address}) to resume from the trainer's last "
+          "checkpoint") from None
+    raise
 
 
 def _start_sampler(side: SamplerSide, start: Start, params: dict,
@@ -712,15 +734,11 @@ def _serve_peer(side: SamplerSide, address: str, timeout: float,
     try:
       for step in range(start.first_rl_step, start.last_step + 1):
         try:
-          sampler.get(step)
+          _get(sampler, step, address)
         except overlap.Stopped:
           if errors:
             raise errors[0] from None
           break
-        except Exception as e:  # pylint: disable=broad-except
-          if distributed.lost_process(e):   # a failed collective: another process is gone
-            raise _lost_process(e, address) from None
-          raise
         done += 1
     finally:
       sampler.close()

@@ -150,7 +150,7 @@ class Trainer:
           self.evaluator.final(total, self.state.params, self.workdir)
       self.out.plot()
     finally:
-      overlap.close(self.sampler)
+      overlap.close(self.sampler, sys.exc_info()[1])   # a sampler process hears of a failure
       bar.close()
       distributed.lost_process(sys.exc_info()[1])   # another process gone: close() cannot wait
       ckpts.ckpt.close()
