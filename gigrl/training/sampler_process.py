@@ -23,8 +23,8 @@ They share the TCP connections (:mod:`multiprocessing.connection`, authenticated
   new ones, as :class:`Params`: the process's own shards of every leaf, read to its host (no
   collective: each host sends what it holds, one copy of each shard over the cluster); then
   ``None`` to stop, or a :class:`Failed` when the trainer process exits with an error (the
-  sampler then exits 2 naming it, not 0). The sampler assembles a version when every trainer process's shards of it
-  have arrived: the weights move by host broadcast, in pieces.
+  sampler then exits 2 naming it, not 0). The sampler assembles a version when every trainer
+  process's shards of it have arrived: the weights move by host broadcast, in pieces.
 * sampler -> every trainer process: each RL step's :class:`gigrl.training.overlap.Rollout`, in
   step order (pickled once, the same bytes to each), or a :class:`Failed` naming its error.
 
@@ -144,6 +144,11 @@ class Failed:
   """The sampler's error, in words (sampler -> trainer), or a trainer process's that exits with
   an error (trainer -> sampler, in place of the clean stop ``None``)."""
   message: str
+
+  @classmethod
+  def of(cls, error: BaseException) -> "Failed":
+    """``error`` as ``"<type>: <message>"``."""
+    return cls(f"{type(error).__name__}: {error}")
 
 
 def _authkey() -> bytes:
@@ -316,7 +321,7 @@ class RemoteSampler:
     if self.closed:
       return
     self.closed = True
-    self.outbox.put(None if error is None else Failed(f"{type(error).__name__}: {error}"))
+    self.outbox.put(None if error is None else Failed.of(error))
     self.sender.join(timeout=60)
     self.conn.close()
 
@@ -605,7 +610,7 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
     except BaseException as e:
       for c in conns:
         with contextlib.suppress(Exception):
-          c.send(Failed(f"{type(e).__name__}: {e}"))
+          c.send(Failed.of(e))
       raise
     finally:
       sampler.close()

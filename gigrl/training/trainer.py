@@ -150,9 +150,10 @@ class Trainer:
           self.evaluator.final(total, self.state.params, self.workdir)
       self.out.plot()
     finally:
-      overlap.close(self.sampler, sys.exc_info()[1])   # a sampler process hears of a failure
+      error = sys.exc_info()[1]
+      overlap.close(self.sampler, error)   # a sampler process hears of a failure
       bar.close()
-      distributed.lost_process(sys.exc_info()[1])   # another process gone: close() cannot wait
+      distributed.lost_process(error)   # another process gone: close() cannot wait
       ckpts.ckpt.close()
 
   def _begin_rl(self) -> None:

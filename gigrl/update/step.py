@@ -747,6 +747,10 @@ def packed_micro_rows(rows: int, mini_batch_rows: int, micro_batch_rows: int, ep
                       pack_micro_rows: int) -> int | None:
   """The packed rows a micro-batch of a packed update holds, or None where packing cannot apply.
 
+  Args (all counts of token rows, ints): ``rows`` the update's trained rows; ``mini_batch_rows``,
+  ``micro_batch_rows`` (0 = none) and ``epochs`` as :func:`ppo_update`; ``pack_micro_rows`` the
+  rows a micro-batch holds without micro-batches. Raises nothing.
+
   Packing applies to a step of one update (one mini-batch of all ``rows`` trained rows, one
   epoch). With micro-batches (``micro_batch_rows`` < ``rows``, 0 = none) a packed micro-batch
   holds as many rows as an unpacked one; without, ``pack_micro_rows`` (the mesh's batch-axis
