@@ -431,3 +431,26 @@ def test_off_policy_correction_needs_temperature_one():
   with pytest.raises(ConfigError, match="recorded at temperature 1") as e:
     config_lib.validate(cfg)
   assert e.value.field == "loss.off_policy_correction"
+
+
+def test_a_micro_batch_without_loss_tokens_adds_nothing_wherever_it_stands():
+  """The step visits only the micro-batches with loss tokens (each visit costs a gradient-sized
+  add), in order, wherever the empty ones stand: the same rows with the empty micro-batch
+  first or last give the same update, to the bit. Fails if the step visits the first n
+  micro-batches instead of the n with loss tokens (the update is then the empty one's: none)."""
+  cfg, policy, ref = _cfg(micro_batch_size=4), _policy(0), _policy(1).params
+  steps = build.build_steps(cfg, policy)
+  tokens, mask, adv = _batch()
+  mask[:4] = 0.0                           # micro-batch [0 1 2 3] holds no loss token
+  adv = adv * mask
+  put = lambda x: build.put_rows(policy.mesh, x)
+  out = []
+  for order in (np.arange(B), np.r_[4:B, 0:4]):     # the empty micro-batch first, then last
+    p, _, m = steps.ppo_step(2, on_policy=True)(
+        _copy(policy.params), steps.init_opt(steps.rl_tx, policy.params), ref,
+        put(tokens[order]), put(mask[order]), put(adv[order]), None)
+    out.append((_leaves(p), jax.device_get(m)))
+  assert float(out[0][1]["grad_norm"]) > 0
+  assert float(out[0][1]["loss"]) == float(out[1][1]["loss"])
+  for a, b in zip(out[0][0], out[1][0]):
+    np.testing.assert_array_equal(a, b)
