@@ -14,6 +14,11 @@ loop, so the comparison is single-turn (gigrl `rollout.max_turns=0`); gigrl's mu
 (2 searches, the recipe's) is timed beside it. gigrl's single-turn update packs each group's
 prompt once with its G completions (`train.pack_update_rows`, `train.pack_max_width`; the same
 loss and gradients, fewer token rows; `--no_pack`: every row whole, as TRL computes it).
+Where every group's rewards are equal (SmolLM2-135M-Instruct answers none of these questions
+exactly, so `--quick`'s rewards are all 0 on both sides) every advantage is 0, and gigrl's update
+runs the forward only (`update.step.zero_advantage_adds_nothing`: the same zero gradient, and
+AdamW applies it as TRL's does); TRL computes the backward anyway. `--no_skip` times gigrl
+computing the backward too, as a step with a learning signal does. The rewards are printed.
 
 Per side it reports the median over the steps after the first (which compiles / warms up) of:
 generation time (gigrl `time/rollout_s`; TRL `_generate_and_score_completions`, which also
@@ -84,6 +89,9 @@ def gigrl_config(a, max_turns: int):
 def run_gigrl(a, max_turns: int):
   """(per-step rows after the first, the trainer) of an in-process gigrl RL run."""
   from gigrl.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+  from gigrl.update import step as update_lib  # pylint: disable=g-import-not-at-top
+  if getattr(a, "no_skip", False):    # read when the Trainer builds its steps
+    update_lib.zero_advantage_adds_nothing = lambda _: False
   faults = []
   with tempfile.TemporaryDirectory() as tmp:
     t = trainer_lib.Trainer(gigrl_config(a, max_turns), tmp)
@@ -207,6 +215,8 @@ def summarize(rows: list[dict], n_params: int, peak: float) -> dict:
   # of the tokens the update computed (a shared prompt once), not of the trajectories' tokens
   s["update_mfu"] = 6 * n_params * s["computed_tokens"] / s["update_s"] / peak
   s["steps"] = len(rows)
+  # all 0: every advantage is 0 (the module docstring: gigrl's update then runs forward only)
+  s["reward_mean"] = statistics.fmean(r.get("reward", float("nan")) for r in rows)
   # every timed step as measured (a step that met a new shape compiles inside it: gigrl's
   # compile_s; TRL's eager torch has none to report)
   s["per_step"] = [{k: r[k] for k in ("gen_s", "update_s", "step_s", "compile_s") if k in r}
@@ -258,6 +268,8 @@ def main(argv=None) -> None:
   p.add_argument("--no_multi_turn", action="store_true")
   p.add_argument("--no_pack", action="store_true",
                  help="gigrl's single-turn update unpacked (every row's prompt computed)")
+  p.add_argument("--no_skip", action="store_true",
+                 help="gigrl's update computes the backward of zero-advantage rows too")
   p.add_argument("--quick", action="store_true", help="2 prompts x 4, 32 tokens, 5 steps")
   p.add_argument("--json", default="", help="write the results here")
   a = p.parse_args(argv)
@@ -310,6 +322,10 @@ def main(argv=None) -> None:
           f"gen {x['gen_s']:.2f} s, step {x['step_s']:.2f} s"
           + (f" (compiling {x['compile_s']:.2f} s)" if x.get("compile_s") else "")
           for x in res[name]["per_step"]))
+  print("mean reward of the timed steps: " + ", ".join(
+      f"{name} {res[name]['reward_mean']:.3f}" for name in res if "reward_mean" in res[name])
+      + ("; gigrl's update computed the backward of zero-advantage rows too (--no_skip)"
+         if a.no_skip else "; where all are 0, gigrl's update ran the forward only (--no_skip)"))
   res["speedup"] = {k: r[k] / g[k] for k in ("gen_s", "update_s", "step_s")}
   print(f"\ngigrl/TRL step-time ratio {g['step_s'] / r['step_s']:.3f} (speedup "
         f"{res['speedup']['step_s']:.2f}x; generation {res['speedup']['gen_s']:.2f}x, update "
