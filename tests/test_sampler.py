@@ -253,3 +253,36 @@ def test_chunked_extend_equals_one_pass(backend):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(chunked[0][2], -1.0)          # an empty row keeps its logits
   np.testing.assert_array_equal(chunked[1].argmax(-1), whole[1].argmax(-1))
+
+
+@pytest.mark.parametrize("rows,span", [(None, None), (None, 12), ([2, 0, 7], 12),
+                                       ([1, 7, 3], None)])
+def test_cpu_decode_writes_back_what_the_scan_decode_writes(prompts, rows, span):
+  """The CPU decode loop holds the cache per layer, head-major, and writes back only the
+  slots a call can write (each row's position onward, issue #50); the scan decode (backend
+  "accelerator") writes in the stacked cache itself. Over rows of unequal prompts and budgets
+  (one inactive), all rows or a compacted subset (padding index 7 dropped), the whole cache
+  or a span: the same tokens, keys, values and positions, and every other slot untouched.
+  Try it: write back one slot fewer a row, and the keys of the last token differ."""
+  toks, lens = prompts
+  toks = np.concatenate([toks, toks[:1]])
+  lens = np.concatenate([lens, [2]]).astype(np.int32)
+
+  def run(backend):
+    cfg = CFG.replace(backend=backend)
+    g, st = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    cache = init_cache(cfg, 4, CACHE)
+    logits, cache = extend_last(g, st, cache, toks, lens, jnp.zeros((4, 64)))
+    r = None if rows is None else jnp.asarray(rows, jnp.int32)
+    out = decode(g, st, cache, logits, jax.random.key(0),
+                 jnp.array([True, True, False, True]), jnp.array([3, 6, 5, 4]),
+                 max_new_tokens=N, greedy=True, rows=r, span=span)
+    return out, [np.asarray(x) for x in (out.cache.k, out.cache.v, out.cache.pos)]
+
+  (cpu, got), (acc, want) = run("cpu"), run("accelerator")
+  np.testing.assert_array_equal(cpu.tokens, acc.tokens)
+  assert cpu.lengths.sum() > 0
+  np.testing.assert_array_equal(got[2], want[2])
+  for a, b in zip(got[:2], want[:2]):
+    np.testing.assert_array_equal(a == 0, b == 0)             # the same slots written
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
