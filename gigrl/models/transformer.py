@@ -296,34 +296,39 @@ def layer_slab(buf: jax.Array, layer, rows: jax.Array | None = None, *, shards: 
   return out.reshape((-1,) + out.shape[2:])
 
 
+def _write_by_block(buf: jax.Array, lead, rows: jax.Array, slots: jax.Array, new: jax.Array, *,
+                    new_axis: int, shards: int, as_bits: bool) -> jax.Array:
+  """``buf[lead, rows[r], slots[r, c]] = new[..., r, c, ...]`` (rows at ``new``'s ``new_axis``),
+  each block of ``shards`` scattered into its own rows (:func:`write_rows`, :func:`write_slots`)."""
+  r = jnp.broadcast_to(rows[:, None], slots.shape)
+  if shards == 1:
+    return write_cache(buf, (lead, r, slots), new, as_bits=as_bits)
+  l, b = buf.shape[:2]
+  split = lambda x, axis: x.reshape(x.shape[:axis] + (shards, -1) + x.shape[axis + 1:])
+  out = jax.vmap(lambda bi, ri, si, ni: write_cache(bi, (lead, ri, si), ni, as_bits=as_bits),
+                 in_axes=(1, 0, 0, new_axis), out_axes=1)(
+                     split(buf, 1), split(r, 0), split(slots, 0), split(new, new_axis))
+  return out.reshape(buf.shape)
+
+
 def write_slots(buf: jax.Array, rows: jax.Array | None, slots: jax.Array, new: jax.Array, *,
                 shards: int = 1, as_bits: bool = True) -> jax.Array:
   """Every layer's ``buf[:, rows[r], slots[r, c]] = new[:, r, c]``: a decode call's new entries
-  written back into the stacked cache (``sampler.decode`` on the CPU).
+  written back into the stacked cache (``sampler.decode`` on the CPU, issue #50).
 
   Args:
     buf: the stacked cache buffer [L, B, S_max, KV, Dh].
     rows: i32[shards * R] block-local rows (:func:`gather_rows`; padding rows dropped), or
       None = every row (R = B / shards).
     slots: i32[shards * R, C] slots (>= S_max: dropped).
-    new: [L, shards * R, C, KV, Dh].
+    new: [L, shards * R, C, KV, Dh], cast to ``buf``'s dtype.
   Returns:
     ``buf`` updated in place (when donated); no row crosses its block.
   """
   if rows is None:
     rows = jnp.tile(jnp.arange(buf.shape[1] // shards, dtype=jnp.int32), shards)
-  r = jnp.broadcast_to(rows[:, None], slots.shape)
-  if shards == 1:
-    return write_cache(buf, (slice(None), r, slots), new, as_bits=as_bits)
-  l, b = buf.shape[:2]
-  bs = buf.reshape((l, shards, b // shards) + buf.shape[2:])
-  out = jax.vmap(lambda bi, ri, si, ni: write_cache(bi, (slice(None), ri, si), ni,
-                                                    as_bits=as_bits),
-                 in_axes=(1, 0, 0, 1), out_axes=1)(
-                     bs, r.reshape((shards, -1) + r.shape[1:]),
-                     slots.reshape((shards, -1) + slots.shape[1:]),
-                     new.reshape((l, shards, -1) + new.shape[2:]))
-  return out.reshape(buf.shape)
+  return _write_by_block(buf, slice(None), rows, slots, new, new_axis=1, shards=shards,
+                         as_bits=as_bits)
 
 
 def write_rows(buf: jax.Array, layer, rows: jax.Array, slots: jax.Array, new: jax.Array, *,
@@ -339,17 +344,8 @@ def write_rows(buf: jax.Array, layer, rows: jax.Array, slots: jax.Array, new: ja
   Returns:
     ``buf`` updated in place (when donated); no row crosses its block.
   """
-  r = jnp.broadcast_to(rows[:, None], slots.shape)
-  if shards == 1:
-    return write_cache(buf, (layer, r, slots), new, as_bits=as_bits)
-  l, b = buf.shape[:2]
-  bs = buf.reshape((l, shards, b // shards) + buf.shape[2:])
-  out = jax.vmap(lambda bi, ri, si, ni: write_cache(bi, (layer, ri, si), ni, as_bits=as_bits),
-                 in_axes=(1, 0, 0, 0), out_axes=1)(
-                     bs, r.reshape((shards, -1) + r.shape[1:]),
-                     slots.reshape((shards, -1) + slots.shape[1:]),
-                     new.reshape((shards, -1) + new.shape[1:]))
-  return out.reshape(buf.shape)
+  return _write_by_block(buf, layer, rows, slots, new, new_axis=0, shards=shards,
+                         as_bits=as_bits)
 
 
 # --------------------------------------------------------------------------- module
