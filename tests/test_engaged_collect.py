@@ -203,6 +203,31 @@ def test_setting_blocks_mechanisms_and_outputs(collected):
   assert (out / "curves.png").exists() and (out / "forest.png").exists()
 
 
+def test_a_replaced_machine_loses_nothing_committed(collected, tmp_path):
+  """runs/ gone (a new machine): warm-start 1 regenerated without its test evaluation (run.sh
+  skips it, its rows being committed), every RL run of it gone, grpo_filter from warm-start 0
+  gone too; collected again into the committed out/, every figure is the same."""
+  import shutil
+  mod, whole, out = collected
+  root = tmp_path / "runs"
+  _grid(str(root))
+  shutil.rmtree(root / "warm_start" / "seed_1" / "test_start")
+  for name in ("grpo_filter", "grpo_recycle", "hadw"):
+    shutil.rmtree(root / "rl" / name / "seed_1")
+  shutil.rmtree(root / "rl" / "grpo_filter" / "seed_0")
+  os.remove(root / "commits.txt")
+  again = tmp_path / "out"
+  shutil.copytree(out, again)
+  assert mod.main(["--runs", str(root), "--out", str(again), "--command", "x"]) == 0
+  res, new = whole["engaged"], json.load(open(again / "results.json"))["engaged"]
+  assert new["comparisons"] == res["comparisons"]
+  assert new["settings"] == res["settings"] and new["warm_starts"] == res["warm_starts"]
+  assert new["missing"] == res["missing"] and new["commits"] == ["abc123"]
+  assert new["from_committed"] == ["grpo_filter/seed_0", "grpo_filter/seed_1",
+                                   "grpo_recycle/seed_1", "hadw/seed_1"]
+  assert (again / "outputs" / "hadw_seed0_metrics.jsonl").exists()
+
+
 def test_verdict_rules():
   mod = _collect()
   assert mod.verdict(-0.02, [-0.06, 0.02], 0.113).startswith(

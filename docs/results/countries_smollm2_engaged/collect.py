@@ -359,13 +359,29 @@ def mean_mechanisms(per_run: list[dict]) -> dict:
 
 
 # -------------------------------------------------------------------------------- grid
-def collect_warm_start(wdir: str, s: int, outputs: str) -> tuple[dict | None, str]:
+def committed_rows(outputs: str, stem: str) -> tuple[list[dict] | None, str]:
+  """(rows of the committed ``outputs/<stem>.jsonl``, or None when there is none; its path)."""
+  path = os.path.join(outputs, stem + ".jsonl")
+  return (read_jsonl(path) if os.path.exists(path) else None), path
+
+
+def collect_warm_start(wdir: str, s: int, outputs: str, prev: dict | None = None
+                       ) -> tuple[dict | None, str]:
   """Warm-start ``s``: (its record, or None before its SFT and validation are done; status).
 
   The record is the first study's ``warm_starts`` entry (``seed``, ``validation_start``,
   ``test_start``) with ``test_rows`` (id -> row) once its start-of-RL test evaluation has
-  finished; copies its validation and test rows to ``outputs``."""
+  finished; copies its validation and test rows to ``outputs``. The machine the grid runs on can
+  be replaced between sessions, and ``runs/`` with it; what is committed survives. So a
+  warm-start whose directory is gone is rebuilt from ``prev`` (its entry in the committed
+  results.json) and its committed test rows (``from_committed``), and run.sh, which skips a
+  test evaluation whose rows are committed, is matched here by reading those rows."""
+  committed, cpath = committed_rows(outputs, f"warm_start_seed{s}_test_start")
   if not os.path.isdir(wdir):
+    if prev and committed is not None:
+      return {"seed": s, "validation_start": prev["validation_start"],
+              "test_start": first.by_hop(committed), "test_rows": {r["id"]: r for r in committed},
+              "test_path": cpath, "from_committed": True}, "finished"
     return None, "not started"
   lines = read_metrics(wdir)
   val = [x for x in lines if x.get("phase") == "eval" and x.get("step") == SFT_STEPS
@@ -382,26 +398,54 @@ def collect_warm_start(wdir: str, s: int, outputs: str) -> tuple[dict | None, st
     shutil.copy(vrows, os.path.join(outputs, f"warm_start_seed{s}_validation.jsonl"))
   samples = finished_eval(wdir, "test_start")
   if samples is None:
-    return w, "SFT done; start-of-RL test evaluation pending"
-  rows = read_eval_rows(samples)
-  first.write_jsonl(os.path.join(outputs, f"warm_start_seed{s}_test_start.jsonl"), rows)
+    if committed is None:
+      return w, "SFT done; start-of-RL test evaluation pending"
+    rows, samples = committed, cpath
+  else:
+    rows = read_eval_rows(samples)
+    first.write_jsonl(cpath, rows)
   w["test_start"] = first.by_hop(rows)
   w["test_rows"] = {r["id"]: r for r in rows}
   w["test_path"] = samples
   return w, "finished"
 
 
-def collect_rl_run(rdir: str, name: str, s: int, warm: dict | None, outputs: str
-                   ) -> tuple[dict | None, str]:
+TEST_DERIVED = ("test_flips", "test_searches_1hop", "test_searches_2hop")
+
+
+def collect_rl_run(rdir: str, name: str, s: int, warm: dict | None, outputs: str,
+                   prev: dict | None = None) -> tuple[dict | None, str]:
   """RL run (or control) ``name`` from warm-start ``s``: (its record, or None when it has
   not started; status). The record holds ``curve`` (validation, the warm-start's at RL step 0),
   ``mechanisms``, and, once evaluated, ``test`` (rows of test_final) and for
-  grpo ``test_step36``; copies its validation and test rows to ``outputs``."""
-  if not os.path.isdir(rdir):
-    return None, "not started"
-  lines = read_metrics(rdir)
+  grpo ``test_step36``; copies its validation and test rows and its metrics.jsonl
+  (``<name>_seed<s>_metrics.jsonl``) to ``outputs``. A finished run whose directory is gone
+  (a replaced machine) is rebuilt from ``prev`` (its seed or in-progress entry in the committed
+  results.json: curve and mechanisms) and its committed test rows (``from_committed``; an
+  unfinished one stays in progress with the test rows it had, e.g. grpo's step 36); a test evaluation
+  run.sh skipped because its rows are committed is read from them."""
   rps = ROLLOUTS_PER_STEP.get(name, DEFAULT_ROLLOUTS)
   planned = PLANNED_STEPS.get(name, N_STEPS)
+  committed = {what: committed_rows(outputs, f"{name}_seed{s}_{what}")
+               for what in ("test_final", f"test_step{N_STEPS}")}
+  if not os.path.isdir(rdir):
+    if prev is None or not any(r is not None for r, _ in committed.values()):
+      return None, "not started"
+    run = {"curve": prev["validation_curve"], "rollouts_per_step": prev["rollouts_per_step"],
+           "planned_steps": planned, "from_committed": True,
+           "mechanisms": {k: v for k, v in prev["mechanisms"].items() if k not in TEST_DERIVED}}
+    for what, key in (("test_final", "test"), (f"test_step{N_STEPS}", f"test_step{N_STEPS}")):
+      rows, path = committed[what]
+      if rows is not None and (what == "test_final" or name == "grpo"):
+        run[key], run[key + "_path"] = rows, path
+    if "test" in run:
+      return run, "finished"
+    gone = "its directory is gone (a replaced machine); before: "
+    return run, gone + prev["status"].removeprefix(gone)
+  lines = read_metrics(rdir)
+  if lines:
+    shutil.copy(os.path.join(rdir, "metrics.jsonl"),
+                os.path.join(outputs, f"{name}_seed{s}_metrics.jsonl"))
   curve = validation_curve(lines, rps)
   if warm and not any(c["rl_step"] == 0 for c in curve):
     curve.insert(0, {"rl_step": 0, "rollouts": 0, **warm["validation_start"]})
@@ -421,7 +465,9 @@ def collect_rl_run(rdir: str, name: str, s: int, warm: dict | None, outputs: str
     if samples:
       run[key] = read_eval_rows(samples)
       run[key + "_path"] = samples
-      first.write_jsonl(os.path.join(outputs, f"{name}_seed{s}_{what}.jsonl"), run[key])
+      first.write_jsonl(committed[what][1], run[key])
+    elif committed[what][0] is not None:
+      run[key], run[key + "_path"] = committed[what]
   if "test" in run:
     return run, "finished"
   phase = "sft" if name == "sft_matched" else "rl"
@@ -551,10 +597,19 @@ def collect(runs: str, out_dir: str, command: str) -> dict:
     raise CollectError(f"--runs {runs}: no such directory")
   outputs = os.path.join(out_dir, "outputs")
   os.makedirs(outputs, exist_ok=True)
+  previous = load_engaged(out_dir) or {}
+  prev_warm = {w["seed"]: w for w in previous.get("warm_starts", [])}
+  prev_runs = {(name, r["seed"]): r for part in ("settings", "controls")
+               for name, e in previous.get(part, {}).items()
+               for r in e.get("in_progress", []) + e.get("seeds", [])}
   grid: dict[str, dict[str, str]] = {"warm_start": {}}
   warm = {}
+  rebuilt = []
   for s in SEEDS:
-    w, status = collect_warm_start(os.path.join(runs, "warm_start", f"seed_{s}"), s, outputs)
+    w, status = collect_warm_start(os.path.join(runs, "warm_start", f"seed_{s}"), s, outputs,
+                                   prev_warm.get(s))
+    if w and w.pop("from_committed", False):
+      rebuilt.append(f"warm_start/seed_{s}")
     grid["warm_start"][str(s)] = status
     if w:
       warm[s] = w
@@ -563,7 +618,9 @@ def collect(runs: str, out_dir: str, command: str) -> dict:
     grid[name] = {}
     for s in (CONTROL_SEEDS if name in CONTROLS else SEEDS):
       run, status = collect_rl_run(os.path.join(runs, "rl", name, f"seed_{s}"), name, s,
-                                   warm.get(s), outputs)
+                                   warm.get(s), outputs, prev_runs.get((name, s)))
+      if run and run.pop("from_committed", False):
+        rebuilt.append(f"{name}/seed_{s}")
       grid[name][str(s)] = status
       if run:
         found.setdefault(name, {})[s] = run
@@ -588,10 +645,14 @@ def collect(runs: str, out_dir: str, command: str) -> dict:
              "settings": {}, "controls": {}, "grid": grid,
              "missing": [f"{name}/seed_{s} ({status})" for name, cells in grid.items()
                          for s, status in cells.items() if status != "finished"],
+             "from_committed": rebuilt,
              "command": command}
   commits = os.path.join(runs, "commits.txt")
+  kept = set(previous.get("commits", []))   # earlier machines' runs/ may be gone
   if os.path.exists(commits):
-    results["commits"] = sorted(set(open(commits, encoding="utf-8").read().split()))
+    kept |= set(open(commits, encoding="utf-8").read().split())
+  if kept:
+    results["commits"] = sorted(kept)
   if tested:
     results["warm_starts_test"] = first.test_block(
         {s: w["test_rows"] for s, w in tested.items()}, cols, "warm_starts")
@@ -650,8 +711,7 @@ def collect(runs: str, out_dir: str, command: str) -> dict:
   versions = os.path.join(runs, "versions.jsonl")
   if os.path.exists(versions):
     read_jsonl(versions)        # a malformed line: exit 2 naming it, before versions_block
-  previous = load_engaged(out_dir)
-  results["versions"] = first.versions_block(runs, out_dir, (previous or {}).get("versions"))
+  results["versions"] = first.versions_block(runs, out_dir, previous.get("versions"))
   return results
 
 

@@ -12,8 +12,11 @@
 #
 # Order, so that a partial grid is a paired one: the 5 warm-starts (SFT, then their start-of-RL
 # test evaluation), then per warm-start the 5 settings, and for warm-starts 0-2 the 2 controls.
-# Resumable: a run whose test evaluation exists is skipped; a killed gigrl-train resumes from
-# its latest checkpoint (every 5 steps). A run's checkpoints are deleted once it is evaluated on
+# Resumable: a run whose test evaluation exists is skipped, and so is one whose rows are
+# committed in outputs/ (a machine can be replaced between sessions and runs/ with it: only what
+# is committed survives); a killed gigrl-train resumes from its latest checkpoint (every 5 steps).
+# Within a warm-start, `grpo` (2N steps, ~3.5 h) comes last, so that a session of ~3 h
+# finishes whole runs; the order changes no result. A run's checkpoints are deleted once it is evaluated on
 # test (~1.9 GB each; the per-question outputs are what the figures need), the warm-starts' are
 # kept. collect.py rebuilds results.json and the figures from whatever has finished.
 set -euo pipefail
@@ -44,7 +47,8 @@ evaluate() {  # evaluate WORKDIR OUTPUT [gigrl-eval args...]: skipped when done
 rl() {  # rl NAME SEED [overrides...]: N RL steps from warm-start SEED, then test; skipped when done
   local name=$1 s=$2; shift 2
   local d=$RUNS/rl/$name/seed_$s
-  [[ -f $d/test_final/results.json ]] && return 0
+  [[ -f $d/test_final/results.json || -f $OUT/outputs/${name}_seed${s}_test_final.jsonl ]] \
+      && return 0
   gigrl-train --config $CFG --workdir "$d" --config.seed="$s" \
       --config.train.init_from="$RUNS/warm_start/seed_$s" "$@"
   evaluate "$d" "$d/test_final" --datasets "test=$TEST"
@@ -57,7 +61,8 @@ for s in $SEEDS; do
   w=$RUNS/warm_start/seed_$s
   [[ -f $w/eval.json ]] || gigrl-train --config $CFG --workdir "$w" --config.seed="$s" \
       --config.train.num_steps=0
-  evaluate "$w" "$w/test_start" --datasets "test=$TEST"
+  [[ -f $OUT/outputs/warm_start_seed${s}_test_start.jsonl ]] \
+      || evaluate "$w" "$w/test_start" --datasets "test=$TEST"
 done
 
 for s in $SEEDS; do
@@ -67,21 +72,6 @@ for s in $SEEDS; do
   #    rollouts.
   rl grpo_filter "$s" --config.data.pool.rule=bounded_dapo
   rl grpo_recycle "$s" --config.data.pool.rule=recycle
-  d=$RUNS/rl/grpo/seed_$s
-  if [[ ! -f $d/test_final/results.json ]]; then
-    if [[ ! -f $d/test_step$N/results.json ]]; then
-      gigrl-train --config $CFG --workdir "$d" --config.seed="$s" \
-          --config.train.init_from="$RUNS/warm_start/seed_$s" \
-          --config.data.pool.rule=grpo --config.data.pool.oversample=1
-      evaluate "$d" "$d/test_step$N" --datasets "test=$TEST"
-    fi
-    gigrl-train --config $CFG --workdir "$d" --config.seed="$s" \
-        --config.train.init_from="$RUNS/warm_start/seed_$s" \
-        --config.data.pool.rule=grpo --config.data.pool.oversample=1 \
-        --config.train.num_steps=$((2 * N))
-    evaluate "$d" "$d/test_final" --datasets "test=$TEST"
-    rm -rf "$d/checkpoints"
-  fi
   rl stratified "$s" --config.advantage.outcome=stratified --config.data.pool.rule=recycle
   rl hadw "$s" --config.advantage.reweight=hadw --config.data.pool.rule=recycle
   # 3. The two controls, matched this time (warm-starts 0-2).
@@ -96,6 +86,21 @@ for s in $SEEDS; do
         --config.train.sft_batch_size=32 --config.train.sft_micro_batch_size=4 \
         --config.train.sft_learning_rate=1e-5 --config.train.sft_on_rl_pool=True \
         --config.train.sft_eval_every=$((E / 2))   # SFT steps count from 0: 36, 42, ... = RL's 6, 12, ...
+  fi
+  d=$RUNS/rl/grpo/seed_$s
+  if [[ ! -f $d/test_final/results.json && ! -f $OUT/outputs/grpo_seed${s}_test_final.jsonl ]]; then
+    if [[ ! -f $d/test_step$N/results.json && ! -f $OUT/outputs/grpo_seed${s}_test_step$N.jsonl ]]; then
+      gigrl-train --config $CFG --workdir "$d" --config.seed="$s" \
+          --config.train.init_from="$RUNS/warm_start/seed_$s" \
+          --config.data.pool.rule=grpo --config.data.pool.oversample=1
+      evaluate "$d" "$d/test_step$N" --datasets "test=$TEST"
+    fi
+    gigrl-train --config $CFG --workdir "$d" --config.seed="$s" \
+        --config.train.init_from="$RUNS/warm_start/seed_$s" \
+        --config.data.pool.rule=grpo --config.data.pool.oversample=1 \
+        --config.train.num_steps=$((2 * N))
+    evaluate "$d" "$d/test_final" --datasets "test=$TEST"
+    rm -rf "$d/checkpoints"
   fi
   [[ -f $OUT/collect.py ]] && python $OUT/collect.py --runs "$RUNS" --out $OUT \
       --command "RUNS=$RUNS SEEDS=\"$SEEDS\" bash $OUT/run.sh" || true
