@@ -21,6 +21,8 @@ same config); k >= 1 runs with the off-policy correction ``tis`` (cap 2).
 * **Verdict** on "k costs EM": the interval's upper end below 0 -> "costs EM here"; its lower end
   above 0 -> "gains EM here"; otherwise "cannot tell at this power" with the interval, whose lower
   end is the largest cost it does not rule out.
+* **A replaced machine** (``runs/`` gone): a finished run whose metrics are gone is rebuilt
+  from its committed entry in results.json and its rows in outputs/ (``from_committed``).
 * **Curves**: each run's ``phase: "eval"`` lines (RL step = step - 30), the warm-start's own
   validation at RL step 0.
 * **Mechanisms** per run and their mean per k, from its ``phase: "rl"`` lines: staleness (mean and
@@ -125,11 +127,20 @@ def collect(runs: str, out_dir: str) -> dict:
     raise CollectError(f"--runs {runs}: no such directory (run docs/results/async/run.sh)")
   rows, runs_out, curves = {}, {}, {}
   os.makedirs(os.path.join(out_dir, "outputs"), exist_ok=True)
+  previous = load_learning(out_dir)
   for k in STALENESS:
     rows[k], runs_out[f"k{k}"] = {}, {}
     for s in SEEDS:
       d = run_dir(runs, k, s)
       lines = engaged.read_metrics(d)
+      committed = os.path.join(out_dir, "outputs", f"k{k}_seed{s}.jsonl")
+      prev = previous.get("runs", {}).get(f"k{k}", {}).get(str(s))
+      if not lines and prev and prev.get("finished") and os.path.exists(committed):
+        # A replaced machine took runs/ with it: the run is rebuilt from what is committed,
+        # its entry in results.json and its per-question rows (run.sh skips it too).
+        rows[k][s] = {r["id"]: r for r in engaged.read_jsonl(committed)}
+        runs_out[f"k{k}"][str(s)] = {**prev, "from_committed": True}
+        continue
       rl = [r for r in lines if r.get("phase") == "rl"]
       start = [r for r in engaged.read_metrics(os.path.join(runs, "warm_start", f"seed_{s}"))
                if r.get("phase") == "eval" and r.get("step") == SFT_STEPS]
@@ -219,6 +230,19 @@ def plot(learning: dict, path: str) -> bool:
   fig.savefig(path, dpi=120)
   plt.close(fig)
   return True
+
+
+def load_learning(out_dir: str) -> dict:
+  """The ``learning`` block of ``out_dir/results.json`` ({} when there is none); CollectError
+  naming the file when it is not JSON."""
+  path = os.path.join(out_dir, "results.json")
+  if not os.path.exists(path):
+    return {}
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f).get("learning") or {}
+  except (json.JSONDecodeError, AttributeError):
+    raise CollectError(f"{path}: not a JSON object; move it away to rebuild it") from None
 
 
 def main(argv=None) -> int:

@@ -19,7 +19,8 @@ for s in $SEEDS; do
     echo "warm-start $s missing: run docs/results/countries_smollm2_engaged/run.sh first"; exit 2; }
   for k in 1 2; do
     d=$RUNS/async/k$k/seed_$s
-    [[ -f $d/eval.json ]] && continue
+    # done, here or on an earlier machine (its validation rows committed by collect.py)
+    [[ -f $d/eval.json || -f docs/results/async/outputs/k${k}_seed${s}.jsonl ]] && continue
     gigrl-train --config $CFG --workdir "$d" --config.seed="$s" \
         --config.train.init_from="$RUNS/warm_start/seed_$s" --config.data.pool.rule=recycle \
         --config.train.max_staleness=$k --config.loss.off_policy_correction=tis
