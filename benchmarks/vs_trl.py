@@ -83,15 +83,13 @@ def gigrl_config(a, max_turns: int):
     # prompt in the chat template, <= PROMPT_TOKENS) and G completions of <= tokens + 1.
     cfg.train.pack_update_rows = True
     cfg.train.pack_max_width = 64 * -(-(PROMPT_TOKENS + a.group * (a.tokens + 1)) // 64)
+  cfg.train.skip_zero_advantage = not getattr(a, "no_skip", False)
   return cfg
 
 
 def run_gigrl(a, max_turns: int):
   """(per-step rows after the first, the trainer) of an in-process gigrl RL run."""
   from gigrl.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
-  from gigrl.update import step as update_lib  # pylint: disable=g-import-not-at-top
-  if getattr(a, "no_skip", False):    # read when the Trainer builds its steps
-    update_lib.zero_advantage_adds_nothing = lambda _: False
   faults = []
   with tempfile.TemporaryDirectory() as tmp:
     t = trainer_lib.Trainer(gigrl_config(a, max_turns), tmp)
@@ -323,9 +321,10 @@ def main(argv=None) -> None:
           + (f" (compiling {x['compile_s']:.2f} s)" if x.get("compile_s") else "")
           for x in res[name]["per_step"]))
   print("mean reward of the timed steps: " + ", ".join(
-      f"{name} {res[name]['reward_mean']:.3f}" for name in res if "reward_mean" in res[name])
+      f"{name} {res[name]['reward_mean']:.3f}" for name in res)
       + ("; gigrl's update computed the backward of zero-advantage rows too (--no_skip)"
-         if a.no_skip else "; where all are 0, gigrl's update ran the forward only (--no_skip)"))
+         if a.no_skip else "; gigrl's update ran zero-advantage rows forward only (all of them "
+         "where every reward is equal; --no_skip computes their backward too)"))
   res["speedup"] = {k: r[k] / g[k] for k in ("gen_s", "update_s", "step_s")}
   print(f"\ngigrl/TRL step-time ratio {g['step_s'] / r['step_s']:.3f} (speedup "
         f"{res['speedup']['step_s']:.2f}x; generation {res['speedup']['gen_s']:.2f}x, update "

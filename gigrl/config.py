@@ -89,6 +89,11 @@ def train_config() -> ml_collections.ConfigDict:
                                # Off: slower on 2 CPU cores (docs/results/update_packing/)
   c.pack_max_width = 0          # widest packed row in tokens, at least (0 = exactly) the rollout's
                                # width: a group's prompt and continuations wider than it go row by row
+  c.skip_zero_advantage = True  # a micro-batch whose loss tokens all have advantage 0 runs
+                               # forward only where that adds exactly no gradient (no KL loss,
+                               # no entropy bonus: update.step.zero_advantage_adds_nothing);
+                               # False computes its backward anyway, to time a step with a
+                               # learning signal (benchmarks/vs_trl.py --no_skip)
   c.weight_decay = 0.01
   c.b1, c.b2 = 0.9, 0.999
   c.eps = 1e-8                 # AdamW epsilon (optax's and torch's default)
@@ -239,6 +244,7 @@ def _validate_train(cfg):
   check_choice(cfg, "train.shuffle", (True, False))
   check_choice(cfg, "train.trim_update_padding", (True, False))
   check_choice(cfg, "train.pack_update_rows", (True, False))
+  check_choice(cfg, "train.skip_zero_advantage", (True, False))
   check_range(cfg, "train.pack_max_width", 0, integer=True)
   if not isinstance(get_field(cfg, "train.compile_cache"), str):
     raise ConfigError("train.compile_cache", cfg.train.compile_cache,

@@ -325,14 +325,15 @@ def test_packing_only_where_it_pays_and_the_loss_allows():
   assert config_lib.base_config().train.pack_update_rows is False    # opt-in: slower on CPU
 
 
-def test_micro_batches_of_zero_advantage_rows_run_forward_only(monkeypatch):
+def test_micro_batches_of_zero_advantage_rows_run_forward_only():
   """Without a KL loss or an entropy bonus a token with advantage 0 adds exactly zero gradient,
   so a micro-batch of a zero-variance group's rows (trained under the ``grpo`` rule) runs its
   forward pass only, for the metrics: the same update and metrics as computing its gradient,
   and ``update/micro_batches_forward_only`` counts it. Micro-batches of 4 rows: group 1's rows
   share one with group 0's unless ``ppo_update`` orders the zero-advantage rows last. Try it:
   order them as before (the count is 0), or let the step see no advantage as non-zero (the
-  params and losses differ)."""
+  params and losses differ). ``train.skip_zero_advantage = False`` computes the backward anyway
+  (the count is 0, the update the same)."""
   cfg, policy = _cfg(micro_batch_size=4), _policy(0)
   cfg.loss.use_kl_loss, cfg.loss.entropy_coeff = False, 0.0
   adv = _advantages()
@@ -350,9 +351,9 @@ def test_micro_batches_of_zero_advantage_rows_run_forward_only(monkeypatch):
         max_lm_positions=build.max_generated_tokens(cfg))
 
   on = update(build.build_steps(cfg, policy))
-  with monkeypatch.context() as m:
-    m.setattr(update_lib, "zero_advantage_adds_nothing", lambda _: False)
-    off = update(build.build_steps(cfg, policy))
+  cfg.train.skip_zero_advantage = False     # the backward anyway (vs_trl.py --no_skip)
+  off = update(build.build_steps(cfg, policy))
+  cfg.train.skip_zero_advantage = True
   assert on[2]["update/micro_batches_forward_only"] == 1
   assert off[2]["update/micro_batches_forward_only"] == 0
   for k in ("loss", "pg_loss", "entropy", "grad_norm", "pg_clipfrac", "ppo_kl"):

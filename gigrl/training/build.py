@@ -416,8 +416,9 @@ class Steps:
       ``token_advantages`` in ``rl_step``, after ``old_logprobs`` in ``ppo_step``): the
       off-policy correction is on (:func:`uses_behaviour`).
     skip_zero_advantage: a micro-batch whose loss tokens all have advantage 0 runs forward only
-      in ``ppo_step`` (:func:`gigrl.update.step.zero_advantage_adds_nothing`); the update orders
-      such rows after the others.
+      in ``ppo_step`` (``train.skip_zero_advantage`` and
+      :func:`gigrl.update.step.zero_advantage_adds_nothing`); the update orders such rows after
+      the others.
   """
   sft_tx: optax.GradientTransformation
   rl_tx: optax.GradientTransformation
@@ -472,6 +473,8 @@ def build_steps(cfg: ml_collections.ConfigDict, policy: Policy) -> Steps:
   # RL log-probs are those of the tempered distribution the rollout samples from (verl).
   rl_kw = dict(kw, temperature=float(cfg.rollout.temperature))
   behaviour = uses_behaviour(cfg)
+  skip_zero = bool(cfg.train.skip_zero_advantage) and update_lib.zero_advantage_adds_nothing(
+      loss_lib.kwargs_from_config(cfg.loss))
   rl_step = update_lib.make_step(
       update_lib.rl_loss_fn(policy.graphdef, loss_options=loss_lib.kwargs_from_config(cfg.loss),
                             **rl_kw), rl_tx, lora=lora,
@@ -492,6 +495,7 @@ def build_steps(cfg: ml_collections.ConfigDict, policy: Policy) -> Steps:
     return in_mesh(update_lib.make_ppo_step(
         policy.graphdef, rl_tx, micro_batches=micro_batches, on_policy=on_policy, lora=lora,
         loss_options=loss_lib.kwargs_from_config(cfg.loss), packed=packed, behaviour=behaviour,
+        skip_zero_advantage=skip_zero,
         in_shardings=(policy.param_sh, opt_sh, ref_sh)
         + (None,) * (4 + behaviour + (3 if packed else 0)),
         out_shardings=out_sh, **rl_kw), policy.mesh)
@@ -501,8 +505,7 @@ def build_steps(cfg: ml_collections.ConfigDict, policy: Policy) -> Steps:
   return Steps(sft_tx=sft_tx, rl_tx=rl_tx, opt_sh=opt_sh,
                sft_step=in_mesh(sft_step, policy.mesh), rl_step=in_mesh(rl_step, policy.mesh),
                init_opt=init_opt, ppo_step=ppo_step, logprob_step=logprob_step,
-               behaviour=behaviour, skip_zero_advantage=update_lib.zero_advantage_adds_nothing(
-                   loss_lib.kwargs_from_config(cfg.loss)))
+               behaviour=behaviour, skip_zero_advantage=skip_zero)
 
 
 # ------------------------------------------------------------------------------ advantages

@@ -461,8 +461,8 @@ def zero_advantage_adds_nothing(loss_options: dict[str, Any]) -> bool:
 def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: int,
                   max_tokens: int, chunk_size: int, loss_options: dict[str, Any],
                   on_policy: bool = False, temperature: float = 1.0, lora: bool = False,
-                  packed: bool = False, behaviour: bool = False, in_shardings=None,
-                  out_shardings=None):
+                  packed: bool = False, behaviour: bool = False,
+                  skip_zero_advantage: bool = True, in_shardings=None, out_shardings=None):
   """Jitted ``step(params, opt_state, ref_params, tokens, loss_mask, token_advantages,
   old_logprobs) -> (params, opt_state, metrics)``: one optimizer update on a mini-batch, its
   gradient accumulated over ``micro_batches`` equal micro-batches (a loop over those that hold
@@ -487,6 +487,7 @@ def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: 
   A micro-batch without loss tokens adds nothing and is skipped; one whose loss tokens all have
   advantage 0 runs its forward pass only, for the metrics, when that adds no gradient
   (:func:`zero_advantage_adds_nothing`): exactly the same gradient, about a third of the work.
+  ``skip_zero_advantage=False`` (``train.skip_zero_advantage``) computes its backward anyway.
 
   Args:
     tokens: i32[R, W]; loss_mask, token_advantages: f32[R, W]; old_logprobs: f32[R, K]
@@ -510,7 +511,7 @@ def make_ppo_step(graphdef, tx: optax.GradientTransformation, *, micro_batches: 
     raise ValueError("make_ppo_step: packed rows need on_policy=True (one update a step)")
   mode = loss_options["loss_agg_mode"]
   lsf = loss_options["loss_scale_factor"]
-  skip_zero = zero_advantage_adds_nothing(loss_options)
+  skip_zero = skip_zero_advantage and zero_advantage_adds_nothing(loss_options)
 
   def step(params, opt_state, ref_params, tokens, loss_mask, token_advantages, old_logprobs,
            *rest, lm_positions):
