@@ -106,7 +106,18 @@ def run_gigrl(a, max_turns: int):
            "computed_tokens": r.get("update/tokens_computed",
                                     r["train/tokens_per_s"] * r["time/update_s"]),
            "compile_s": r.get("time/rollout_compile_s", 0.0) + r.get("time/update_compile_s", 0.0),
+           # share of the update's micro-batches that ran the backward (the rest forward only)
+           "backward_share": _backward_share(r),
            "reward": r["reward_mean"]} for r, f in zip(rows, faults[1:])], t
+
+
+def _backward_share(r: dict) -> float:
+  """The share of a gigrl step's micro-batches with loss tokens that computed the backward (1
+  where the step does not say: TRL's, or an update that is not micro-batched)."""
+  fwd, bwd = r.get("update/micro_batches_forward_only"), r.get("update/micro_batches_backward")
+  if fwd is None or bwd is None or fwd + bwd == 0:
+    return 1.0
+  return bwd / (fwd + bwd)
 
 
 def _faults() -> int:
@@ -210,8 +221,12 @@ def summarize(rows: list[dict], n_params: int, peak: float) -> dict:
   s["gen_tokens_per_s"] = s["gen_tokens"] / s["gen_s"]
   s["train_tokens_per_s"] = s["train_tokens"] / s["update_s"]
   s["gen_mfu"] = 2 * n_params * s["gen_tokens_per_s"] / peak
-  # of the tokens the update computed (a shared prompt once), not of the trajectories' tokens
-  s["update_mfu"] = 6 * n_params * s["computed_tokens"] / s["update_s"] / peak
+  # of the tokens the update computed (a shared prompt once), not of the trajectories' tokens:
+  # 6N FLOPs a token with the backward, 2N for a micro-batch that ran forward only
+  s["update_flops_per_token"] = 2 + 4 * statistics.fmean(r.get("backward_share", 1.0)
+                                                          for r in rows)   # in units of N
+  s["update_mfu"] = (s["update_flops_per_token"] * n_params * s["computed_tokens"]
+                     / s["update_s"] / peak)
   s["steps"] = len(rows)
   # all 0: every advantage is 0 (the module docstring: gigrl's update then runs forward only)
   s["reward_mean"] = statistics.fmean(r.get("reward", float("nan")) for r in rows)
@@ -239,7 +254,8 @@ def speedup_ceiling(g: dict, r: dict, n_params: int, peak: float, read_gb_s: flo
 
   Floors, each a lower bound on gigrl's time:
   - update: 6·N·(tokens computed: a group's prompt once when packed) / ``peak`` FLOP/s (the best f32 GEMM rate measured here in
-    XLA or torch, whichever is higher);
+    XLA or torch, whichever is higher); 2·N a token for the micro-batches that ran forward only
+    (``update_flops_per_token``, between 2 and 6);
   - generation: each decode step reads the f32 weights (4·N bytes) at least once, and the loop
     runs at least (generated tokens / rows) steps, at the measured read bandwidth (a copy's
     rate, reads and writes, counted until 437ccd7, and overstated this floor).
@@ -248,7 +264,8 @@ def speedup_ceiling(g: dict, r: dict, n_params: int, peak: float, read_gb_s: flo
     ``update_floor_s``, ``gen_floor_s``, and the ceilings ``update``, ``gen``, ``step``: TRL's
     time over gigrl's floor for that phase (the step: over the sum of both floors).
   """
-  upd = 6 * n_params * g.get("computed_tokens", g["train_tokens"]) / peak
+  upd = (g.get("update_flops_per_token", 6) * n_params
+         * g.get("computed_tokens", g["train_tokens"]) / peak)
   gen = 4 * n_params * (g["gen_tokens"] / rows) / (read_gb_s * 1e9)
   return {"update_floor_s": upd, "gen_floor_s": gen, "update": r["update_s"] / upd,
           "gen": r["gen_s"] / gen, "step": r["step_s"] / (upd + gen), "peak_flops": peak,
@@ -335,7 +352,8 @@ def main(argv=None) -> None:
   read_now = _machine.figures()["read_gb_s"]
   c = res["ceiling"] = speedup_ceiling(g, r, n_params, best_peak, max(read_now, micro["read_gb_s"]),
                                        a.prompts * a.group)
-  print(f"ceiling here: gigrl update >= {c['update_floor_s']:.2f} s (6N x computed tokens at the "
+  print(f"ceiling here: gigrl update >= {c['update_floor_s']:.2f} s "
+        f"({g['update_flops_per_token']:.0f}N x computed tokens at the "
         f"best GEMM rate, {best_peak / 1e9:.0f} GFLOP/s), generation >= {c['gen_floor_s']:.2f} s "
         f"(f32 weights read per decode step at {c['read_gb_s']:.1f} GB/s); so no gigrl step can "
         f"be more than {c['step']:.2f}x faster than TRL's here (generation {c['gen']:.2f}x, "

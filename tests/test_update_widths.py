@@ -356,6 +356,7 @@ def test_micro_batches_of_zero_advantage_rows_run_forward_only():
   cfg.train.skip_zero_advantage = True
   assert on[2]["update/micro_batches_forward_only"] == 1
   assert off[2]["update/micro_batches_forward_only"] == 0
+  assert (on[2]["update/micro_batches_backward"], off[2]["update/micro_batches_backward"]) == (1, 2)
   for k in ("loss", "pg_loss", "entropy", "grad_norm", "pg_clipfrac", "ppo_kl"):
     np.testing.assert_allclose(on[2][k], off[2][k], rtol=1e-5, atol=1e-7, err_msg=k)
   assert on[2]["grad_norm"] > 0 and on[2]["entropy"] > 0

@@ -690,13 +690,15 @@ def ppo_update(steps: Any, params, opt_state, ref_params, tokens: np.ndarray,
     order = np.argsort(key, kind="stable")
     by_micro = key[order].reshape(b // micro, micro)
     forward_only = int(((by_micro == 1).any(axis=1) & ~(by_micro == 0).any(axis=1)).sum())
+    backward = int((by_micro == 0).any(axis=1).sum())    # forward and backward
     extra = tuple(put(x[order]) for x in packing) if packing is not None else ()
     params, opt_state, m = steps.ppo_step(b // micro, on_policy=True,
                                           **({"packed": True} if packing is not None else {}))(
         params, opt_state, ref_params, put(tokens[order]), put(loss_mask[order]),
         put(token_advantages[order]), None, *behav(order), *extra, **kw)
     return params, opt_state, dict(jax.device_get(m), **{
-        "train/updates": 1, "update/micro_batches_forward_only": forward_only})
+        "train/updates": 1, "update/micro_batches_forward_only": forward_only,
+        "update/micro_batches_backward": backward})
   if packing is not None:
     raise ValueError("ppo_update: packed rows need one micro-batched update a step")
   chunk = min(micro, mini_batch_rows)
