@@ -15,8 +15,10 @@ SEEDS=${SEEDS:-0 1 2}
 CFG=configs/countries.py:smollm2-135m-engaged
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
 for s in $SEEDS; do
-  [[ -f $RUNS/warm_start/seed_$s/eval.json ]] || {
-    echo "warm-start $s missing: run docs/results/countries_smollm2_engaged/run.sh first"; exit 2; }
+  # the engaged study's warm-start s (remade here, as its run.sh makes it, when a replaced
+  # machine took it; its SFT is deterministic: the same rows on two CPUs)
+  [[ -f $RUNS/warm_start/seed_$s/eval.json ]] || gigrl-train --config $CFG \
+      --workdir "$RUNS/warm_start/seed_$s" --config.seed="$s" --config.train.num_steps=0
   for k in 1 2; do
     d=$RUNS/async/k$k/seed_$s
     # done, here or on an earlier machine (its validation rows committed by collect.py)

@@ -55,17 +55,33 @@ rl() {  # rl NAME SEED [overrides...]: N RL steps from warm-start SEED, then tes
   rm -rf "$d/checkpoints"
 }
 
-# 1. Five warm-starts: SFT only (seed s: its own demonstration order and RL pool), validation EM
-#    at the end, then the start-of-RL test evaluation.
-for s in $SEEDS; do
-  w=$RUNS/warm_start/seed_$s
+warm_start() {  # warm_start SEED: SFT only (seed s: its own demonstration order and RL pool),
+  # validation EM at the end, then the start-of-RL test evaluation; skipped when done
+  local s=$1 w=$RUNS/warm_start/seed_$1
   [[ -f $w/eval.json ]] || gigrl-train --config $CFG --workdir "$w" --config.seed="$s" \
       --config.train.num_steps=0
   [[ -f $OUT/outputs/warm_start_seed${s}_test_start.jsonl ]] \
       || evaluate "$w" "$w/test_start" --datasets "test=$TEST"
+}
+
+# 1. Five warm-starts, while none has its test rows committed (a partial grid is then a paired
+#    one); once they are, a warm-start is (re)made just before its own runs, so that a replaced
+#    machine does not first spend ~15 min on each of the five.
+for s in $SEEDS; do
+  [[ -f $OUT/outputs/warm_start_seed${s}_test_start.jsonl ]] || warm_start "$s"
 done
 
+seed_done() {  # seed_done SEED: every run from warm-start SEED has its test rows committed
+  local s=$1 name names="grpo_filter grpo_recycle stratified hadw grpo"
+  [[ " $CONTROL_SEEDS " == *" $s "* ]] && names="$names rft_filter sft_matched"
+  for name in $names; do
+    [[ -f $OUT/outputs/${name}_seed${s}_test_final.jsonl ]] || return 1
+  done
+}
+
 for s in $SEEDS; do
+  seed_done "$s" && continue
+  warm_start "$s"
   # 2. The five settings. k = 2 settings roll out 16 candidate prompts a step (64 rollouts) and
   #    train at most 8 groups; `grpo` (k = 1) rolls out and trains 8 (32 rollouts), so it runs
   #    2N steps: its step N is matched updates (test-evaluated there too), step 2N matched
