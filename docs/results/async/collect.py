@@ -127,7 +127,7 @@ def collect(runs: str, out_dir: str) -> dict:
     raise CollectError(f"--runs {runs}: no such directory (run docs/results/async/run.sh)")
   rows, runs_out, curves = {}, {}, {}
   os.makedirs(os.path.join(out_dir, "outputs"), exist_ok=True)
-  previous = load_learning(out_dir)
+  previous = engaged.load_engaged(out_dir, "learning") or {}
   for k in STALENESS:
     rows[k], runs_out[f"k{k}"] = {}, {}
     for s in SEEDS:
@@ -230,19 +230,6 @@ def plot(learning: dict, path: str) -> bool:
   fig.savefig(path, dpi=120)
   plt.close(fig)
   return True
-
-
-def load_learning(out_dir: str) -> dict:
-  """The ``learning`` block of ``out_dir/results.json`` ({} when there is none); CollectError
-  naming the file when it is not JSON."""
-  path = os.path.join(out_dir, "results.json")
-  if not os.path.exists(path):
-    return {}
-  try:
-    with open(path, encoding="utf-8") as f:
-      return json.load(f).get("learning") or {}
-  except (json.JSONDecodeError, AttributeError):
-    raise CollectError(f"{path}: not a JSON object; move it away to rebuild it") from None
 
 
 def main(argv=None) -> int:

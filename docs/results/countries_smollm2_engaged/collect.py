@@ -715,14 +715,16 @@ def collect(runs: str, out_dir: str, command: str) -> dict:
   return results
 
 
-def load_engaged(out_dir: str) -> dict | None:
-  """The ``engaged`` block of ``out_dir/results.json`` (None when there is none)."""
+def load_engaged(out_dir: str, key: str = "engaged") -> dict | None:
+  """The ``key`` block of ``out_dir/results.json`` (None when there is none; the async
+  comparison's collector reads its ``learning`` block with it); CollectError naming the file
+  when it is not a JSON object."""
   path = os.path.join(out_dir, "results.json")
   if not os.path.exists(path):
     return None
   try:
     with open(path, encoding="utf-8") as f:
-      return json.load(f).get("engaged")
+      return json.load(f).get(key)
   except (json.JSONDecodeError, AttributeError):
     raise CollectError(f"{path}: not a JSON object; move it away to rebuild it") from None
 
