@@ -206,7 +206,8 @@ def test_setting_blocks_mechanisms_and_outputs(collected):
 def test_a_replaced_machine_loses_nothing_committed(collected, tmp_path):
   """runs/ gone (a new machine): warm-start 1 regenerated without its test evaluation (run.sh
   skips it, its rows being committed), every RL run of it gone, grpo_filter from warm-start 0
-  gone too; collected again into the committed out/, every figure is the same."""
+  gone too, warm-start 0 being remade (3 SFT steps logged); collected again into the committed
+  out/, every figure is the same."""
   import shutil
   mod, whole, out = collected
   root = tmp_path / "runs"
@@ -215,6 +216,11 @@ def test_a_replaced_machine_loses_nothing_committed(collected, tmp_path):
   for name in ("grpo_filter", "grpo_recycle", "hadw"):
     shutil.rmtree(root / "rl" / name / "seed_1")
   shutil.rmtree(root / "rl" / "grpo_filter" / "seed_0")
+  # warm-start 0 being remade (run.sh remakes it before its runs): 3 SFT steps logged so far
+  shutil.rmtree(root / "warm_start" / "seed_0")
+  os.makedirs(root / "warm_start" / "seed_0")
+  (root / "warm_start" / "seed_0" / "metrics.jsonl").write_text(
+      "".join(json.dumps({"phase": "sft", "step": i, "loss": 1.0}) + "\n" for i in (1, 2, 3)))
   os.remove(root / "commits.txt")
   again = tmp_path / "out"
   shutil.copytree(out, again)
@@ -223,8 +229,8 @@ def test_a_replaced_machine_loses_nothing_committed(collected, tmp_path):
   assert new["comparisons"] == res["comparisons"]
   assert new["settings"] == res["settings"] and new["warm_starts"] == res["warm_starts"]
   assert new["missing"] == res["missing"] and new["commits"] == ["abc123"]
-  assert new["from_committed"] == ["grpo_filter/seed_0", "grpo_filter/seed_1",
-                                   "grpo_recycle/seed_1", "hadw/seed_1"]
+  assert new["from_committed"] == ["warm_start/seed_0", "grpo_filter/seed_0",
+                                   "grpo_filter/seed_1", "grpo_recycle/seed_1", "hadw/seed_1"]
   assert (again / "outputs" / "hadw_seed0_metrics.jsonl").exists()
 
 

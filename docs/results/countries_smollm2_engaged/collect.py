@@ -374,20 +374,24 @@ def collect_warm_start(wdir: str, s: int, outputs: str, prev: dict | None = None
   finished; copies its validation and test rows to ``outputs``. The machine the grid runs on can
   be replaced between sessions, and ``runs/`` with it; what is committed survives. So a
   warm-start whose directory is gone is rebuilt from ``prev`` (its entry in the committed
-  results.json) and its committed test rows (``from_committed``), and run.sh, which skips a
-  test evaluation whose rows are committed, is matched here by reading those rows."""
+  results.json) and its committed test rows (``from_committed``), and so is one whose directory
+  holds a remake not yet validated (run.sh remakes a warm-start just before its runs); run.sh,
+  which skips a test evaluation whose rows are committed, is matched here by reading those
+  rows."""
   committed, cpath = committed_rows(outputs, f"warm_start_seed{s}_test_start")
+  kept = None if not (prev and committed is not None) else {
+      "seed": s, "validation_start": prev["validation_start"],
+      "test_start": first.by_hop(committed), "test_rows": {r["id"]: r for r in committed},
+      "test_path": cpath, "from_committed": True}
   if not os.path.isdir(wdir):
-    if prev and committed is not None:
-      return {"seed": s, "validation_start": prev["validation_start"],
-              "test_start": first.by_hop(committed), "test_rows": {r["id"]: r for r in committed},
-              "test_path": cpath, "from_committed": True}, "finished"
-    return None, "not started"
+    return (kept, "finished") if kept else (None, "not started")
   lines = read_metrics(wdir)
   val = [x for x in lines if x.get("phase") == "eval" and x.get("step") == SFT_STEPS
          and "eval/em" in x]
   if not val:
     done = max([x["step"] for x in lines if x.get("phase") == "sft"], default=0)
+    if kept:   # being remade (run.sh remakes a warm-start before its runs): the committed one
+      return kept, "finished"
     if done >= SFT_STEPS:
       return None, "SFT done; its validation running or pending"
     return None, f"SFT running or stopped: step {done} of {SFT_STEPS} logged"
