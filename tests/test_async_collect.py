@@ -71,11 +71,13 @@ def test_the_learning_comparison_pairs_k_with_k0_per_question(tmp_path):
   assert [p["rl_step"] for p in got["curves"]["k1"]] == [0, 12, 24, 36]
   assert (out / "outputs" / "k1_seed2.jsonl").exists() and (out / "learning.png").exists()
   assert got["status"].startswith("6 of 9 runs finished")
-  # A replaced machine: the k = 0 runs' directories are gone; collected again into the same
-  # out/, they are rebuilt from the committed results.json and rows, and every figure stays.
+  # A replaced machine: the k = 0 runs' directories are gone, and the warm-starts' (being
+  # remade); collected again into the same out/, the k = 0 runs are rebuilt from the committed
+  # results.json and rows, the curves keep their step 0, and every figure stays.
   import shutil
   for s in range(3):
     shutil.rmtree(mod.run_dir(str(runs), 0, s))
+    shutil.rmtree(runs / "warm_start" / f"seed_{s}")
   assert mod.main(["--runs", str(runs), "--out", str(out)]) == 0
   again = json.loads((out / "results.json").read_text())["learning"]
   assert again["comparisons"] == got["comparisons"] and again["curves"] == got["curves"]

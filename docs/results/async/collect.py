@@ -45,7 +45,8 @@ import sys
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ENGAGED_COLLECT = os.path.join(HERE, "..", "countries_smollm2_engaged", "collect.py")
+ENGAGED_DIR = os.path.join(HERE, "..", "countries_smollm2_engaged")
+ENGAGED_COLLECT = os.path.join(ENGAGED_DIR, "collect.py")
 
 
 def _load_engaged():
@@ -120,6 +121,21 @@ def verdict(interval: list[float]) -> str:
   return f"cannot tell at this power (a cost of up to {-lo:.3f} EM is not ruled out)"
 
 
+def start_point(runs: str, s: int, prev: dict | None) -> list[dict]:
+  """The curve's RL step 0: warm-start ``s``'s validation EM, from its run directory; where that
+  is gone or being remade (a replaced machine), from the run's previous entry in results.json,
+  else from the engaged study's committed results.json. [] when none has it."""
+  start = [r for r in engaged.read_metrics(os.path.join(runs, "warm_start", f"seed_{s}"))
+           if r.get("phase") == "eval" and r.get("step") == SFT_STEPS]
+  if start:
+    return [{"rl_step": 0, **first.val_metrics(start[-1])}]
+  kept = [p for p in (prev or {}).get("validation_curve", []) if p.get("rl_step") == 0]
+  if kept:
+    return kept
+  warm = {w["seed"]: w for w in (engaged.load_engaged(ENGAGED_DIR) or {}).get("warm_starts", [])}
+  return [{"rl_step": 0, **warm[s]["validation_start"]}] if s in warm else []
+
+
 def collect(runs: str, out_dir: str) -> dict:
   """The ``learning`` block from the runs under ``runs`` (module docstring); writes the rows it
   reads to ``out_dir/outputs/k{k}_seed{s}.jsonl``."""
@@ -142,9 +158,7 @@ def collect(runs: str, out_dir: str) -> dict:
         runs_out[f"k{k}"][str(s)] = {**prev, "from_committed": True}
         continue
       rl = [r for r in lines if r.get("phase") == "rl"]
-      start = [r for r in engaged.read_metrics(os.path.join(runs, "warm_start", f"seed_{s}"))
-               if r.get("phase") == "eval" and r.get("step") == SFT_STEPS]
-      curve = ([{"rl_step": 0, **first.val_metrics(start[-1])}] if start else []) + [
+      curve = start_point(runs, s, prev) + [
           {k_: v for k_, v in p.items() if k_ != "rollouts"}
           for p in engaged.validation_curve(lines, 0)]
       final = final_rows(d)
