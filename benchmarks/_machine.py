@@ -64,6 +64,7 @@ def figures(rows: int = 8, d_in: int = 576, d_out: int = 1536, mib: int = 256,
     ``cpu``; ``gemm_xla_us`` / ``gemm_torch_us``: one f32[rows, d_in] @ f32[d_in, d_out] product
     (SmolLM2's decode shape: 8 rows, its MLP's up projection) in XLA and in torch (with its
     thread count), microseconds, and ``gemm_torch_1t_us`` on one torch thread;
+    ``gemm_2048_xla_gflop_s`` / ``gemm_2048_torch_gflop_s``: a f32 2048^3 product's rate in each;
     with ``cores``, :func:`core_figures`' keys (~20 s); ``copy_gb_s``: GB/s of a jitted copy of ``mib`` MiB
     (read + write) in XLA; ``read_gb_s``: GB/s of a jitted sum of it (read only); ``cores``.
   """
@@ -88,9 +89,17 @@ def figures(rows: int = 8, d_in: int = 576, d_out: int = 1536, mib: int = 256,
         out["gemm_torch_1t_us"] = 1e6 * _best(lambda: xt @ wt)
       finally:
         torch.set_num_threads(threads)
+      # the large-GEMM rate torch (MKL) reaches here, beside XLA's: on the AMD EPYC MKL ran
+      # at ~45% of XLA's rate, on the Xeon of issue #50 level with it
+      big_t = torch.ones(2048, 2048)
+      out["gemm_2048_torch_gflop_s"] = 2 * 2048 ** 3 / _best(lambda: big_t @ big_t, 5) / 1e9
     out["torch_threads"] = threads
   except ImportError:
     out["gemm_torch_us"] = None
+  big_x = jnp.ones((2048, 2048), jnp.float32)
+  sq = jax.jit(lambda a: a @ a)
+  out["gemm_2048_xla_gflop_s"] = 2 * 2048 ** 3 / _best(
+      lambda: sq(big_x).block_until_ready(), 5) / 1e9
   big = jnp.ones((mib << 20) // 4, jnp.float32)
   cp = jax.jit(lambda a: a + 0.0)
   out["copy_gb_s"] = 2 * big.nbytes / _best(lambda: cp(big).block_until_ready(), 5) / 1e9
@@ -198,6 +207,10 @@ def line(f: dict) -> str:
   text = (f"machine: {f['cpu']}, {f['cores']} cores; {f['gemm_shape']}: XLA "
           f"{f['gemm_xla_us']:.0f} us, torch {torch_us}; copy bandwidth {f['copy_gb_s']:.1f} GB/s, "
           f"read {f.get('read_gb_s', float('nan')):.1f} GB/s")
+  if f.get("gemm_2048_xla_gflop_s") is not None:
+    t2048 = f.get("gemm_2048_torch_gflop_s")
+    text += (f"; f32 2048^3 GEMM: XLA {f['gemm_2048_xla_gflop_s']:.0f} GFLOP/s"
+             + ("" if t2048 is None else f", torch {t2048:.0f}"))
   if f.get("core_scaling") is not None:
     t1 = f.get("gemm_torch_1t_us")
     text += (f"; second core: {f['core_scaling']:.2f}x the arithmetic of one "
