@@ -258,12 +258,15 @@ def summary(programs: Sequence[RunProgram]) -> str:
 
 
 def compile_all(programs: Sequence[RunProgram], *, threads: int = 0,
-                show: bool = True) -> float:
+                show: bool = True, by_stage: dict[str, float] | None = None) -> float:
   """Compiles every program before step 1; returns the wall seconds it took.
 
   Each is traced and lowered in this thread, then compiled on a pool of ``threads`` threads
   (0: one per core, at most 4), so XLA compiles one program while Python lowers the next; the
-  bar reads ``compiling k/N`` with the program just compiled.
+  bar reads ``compiling k/N`` with the program just compiled. ``by_stage``, when given, gets
+  each stage's seconds added: its programs' lowering plus compile seconds, each program's
+  timed in its own thread (with several threads they overlap, so the stages sum to more
+  than the wall; their shares say where the warm-up goes).
 
   Raises:
     Whatever a program's lowering or compile raises (the label is added to the message).
@@ -275,8 +278,15 @@ def compile_all(programs: Sequence[RunProgram], *, threads: int = 0,
              bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed} {postfix}")
   lock = threading.Lock()
 
+  def add(stage: str, secs: float) -> None:
+    if by_stage is not None:
+      with lock:
+        by_stage[stage] = by_stage.get(stage, 0.0) + secs
+
   def compile_one(prog: RunProgram, lowered) -> None:
+    t = time.perf_counter()
     lowered.compile()
+    add(prog.stage, time.perf_counter() - t)
     with lock:
       bar.set_postfix_str(f"{prog.stage}: {prog.label}", refresh=False)
       bar.update(1)
@@ -286,7 +296,9 @@ def compile_all(programs: Sequence[RunProgram], *, threads: int = 0,
       futures = []
       for prog in programs:
         try:
+          t = time.perf_counter()
           lowered = prog.lower()
+          add(prog.stage, time.perf_counter() - t)
         except Exception as e:       # name the program, keep the cause
           raise RuntimeError(f"warm-up: lowering {prog.stage} {prog.label} failed: {e}") from e
         futures.append((prog, pool.submit(compile_one, prog, lowered)))
@@ -401,29 +413,41 @@ def _warm_up_gathers(rows: int, seq_len: int, log: Callable[[str], None]) -> flo
 
 
 def _compile_logged(programs: Sequence[RunProgram], engines: Sequence[Any],
-                    log: Callable[[str], None]) -> float:
-  """:func:`compile_all` with the count and the seconds logged; then frees the dummy caches the
-  ``engines``' programs were traced with. Returns the seconds."""
+                    log: Callable[[str], None],
+                    by_stage: dict[str, float] | None = None) -> float:
+  """:func:`compile_all` with the count, the seconds and each stage's share logged; then frees
+  the dummy caches the ``engines``' programs were traced with. Returns the wall seconds;
+  ``by_stage`` gets each stage's (overlapping) seconds."""
   log(f"warm-up: {summary(programs)}")
+  stages: dict[str, float] = {} if by_stage is None else by_stage
   try:
-    secs = compile_all(programs)
+    secs = compile_all(programs, by_stage=stages)
   finally:
     for engine in engines:
       engine.release()
-  log(f"warm-up: compiled {len(programs)} programs in {secs:.1f} s")
+  total = sum(stages.values()) or 1.0
+  shares = ", ".join(f"{k} {v / total:.0%}" for k, v in stages.items())
+  log(f"warm-up: compiled {len(programs)} programs in {secs:.1f} s ({shares} of the "
+      f"lowering and compile seconds)")
   return secs
 
 
 def warm_up(t, start: int, demos, log: Callable[[str], None]) -> dict[str, float]:
   """Lists and compiles the run's programs (:func:`plan_run`, :func:`compile_all`); returns
   ``{"time/warmup_compile_s": seconds}`` for the launch's first metrics line (the count is
-  logged). ``train.warmup=False``: nothing (programs then compile when first met)."""
+  logged), and ``time/warmup_compile_s/<stage>``: each stage's share of those wall seconds
+  (its programs' lowering and compile seconds over all programs', so the stages sum to the
+  programs' part of the wall; ``sft`` is the part an RL phase does not need).
+  ``train.warmup=False``: nothing (programs then compile when first met)."""
   if not bool(t.cfg.train.get("warmup", True)):
     return {}
   set_up_engines(t)
+  stages: dict[str, float] = {}
   secs = _compile_logged(plan_run(t, start, demos),
-                         [t.engine.engine, t.evaluator.engine().engine], log)
+                         [t.engine.engine, t.evaluator.engine().engine], log, stages)
+  total = sum(stages.values()) or 1.0
+  out = {f"time/warmup_compile_s/{k}": secs * v / total for k, v in stages.items()}
   rows = max(t.pool.num_candidates * int(t.cfg.data.group_size),
              int(t.cfg.train.eval_batch_size) or int(t.cfg.train.eval_questions))
   secs += _warm_up_gathers(rows, t.settings.seq_len, log)
-  return {"time/warmup_compile_s": secs}
+  return {"time/warmup_compile_s": secs, **out}
