@@ -58,10 +58,10 @@ def _rl_lines(steps, accepted=(2, 0, 2), recycled=(0.5, 0.0, 1.0)):
           for i in range(1, steps + 1)]
 
 
-def _grid(root):
+def _grid(root, seeds=(0, 1)):
   """Warm-starts 0 and 1 finished; grpo_filter, grpo_recycle and hadw finished from both;
   stratified running from warm-start 0 (10 RL steps, no test); nothing else."""
-  for s in (0, 1):
+  for s in seeds:
     w = os.path.join(root, "warm_start", f"seed_{s}")
     _write(os.path.join(w, "metrics.jsonl"),
            [{"step": k, "phase": "sft"} for k in range(1, 31)] + [_eval_line(30, 0.5 + s / 10)])
@@ -168,6 +168,22 @@ def test_missing_cells_are_reported_as_missing(collected):
   # interim verdicts say how many warm-starts they rest on
   v = res["comparisons"]["grpo_recycle - grpo_filter"]["verdict"]["em"]
   assert v.startswith("(interim, 2 of 5 warm-starts)") and "greedy test EM minus greedy" in v
+
+
+def test_one_warm_start_gives_no_verdict(tmp_path):
+  """With n = 1 there is no t-interval over warm-starts, so the protocol's "wider of the two"
+  does not exist: the sentence gives the figures and no verdict (the bootstrap alone, over
+  questions, would read "does not hold" for hadw's 0 difference)."""
+  mod = _collect()
+  _grid(str(tmp_path / "runs"), seeds=(0,))
+  os.makedirs(tmp_path / "out")
+  assert mod.main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
+                   "--command", "x"]) == 0
+  c = json.load(open(tmp_path / "out" / "results.json"))["engaged"]["comparisons"][
+      "hadw - grpo_recycle"]
+  assert c["n_warm_starts"] == 1 and c["verdict"]
+  assert all("no verdict: one warm-start" in v and "does not hold" not in v and "->" not in v
+             for v in c["verdict"].values()), c["verdict"]
 
 
 def test_setting_blocks_mechanisms_and_outputs(collected):

@@ -574,8 +574,10 @@ def comparison_block(c: dict, finals: dict[str, dict[int, dict[str, dict]]],
     q = n_questions if key == "em" else len(cols[key])
     text = (f"{c['label']}: {what} minus {what} on the same {q} questions from the same "
             f"warm-start, n = {pr['n_warm_starts']}: {pr[key]:+.3f}; {level} bootstrap "
-            f"{_iv(boot)}, t over warm-starts {_iv(t_iv)}; the wider {_iv(iv)} -> "
-            f"{verdict(pr[key], iv, effect, c['sign'])}")
+            f"{_iv(boot)}, t over warm-starts {_iv(t_iv)}; " + (
+                f"the wider {_iv(iv)} -> {verdict(pr[key], iv, effect, c['sign'])}" if t_iv
+                else "no verdict: one warm-start gives no t-interval, and the protocol reads "
+                     "the wider of the two (the bootstrap alone leaves out warm-start variance)"))
     out["verdict"][key] = (f"({interim}) " if interim else "") + text
   return out
 
