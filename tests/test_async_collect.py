@@ -86,6 +86,19 @@ def test_the_learning_comparison_pairs_k_with_k0_per_question(tmp_path):
   assert again["runs"] == got["runs"]
 
 
+def test_one_warm_start_gives_no_verdict(tmp_path):
+  """k = 1 and k = 0 from warm-start 0 only: no t-interval over warm-starts, so no verdict (the
+  question bootstrap alone would leave out warm-start variance)."""
+  mod = _collect()
+  runs = tmp_path / "runs"
+  for k in (0, 1):
+    _run(mod.run_dir(str(runs), k, 0), EM[k][0], k)
+  assert mod.main(["--runs", str(runs), "--out", str(tmp_path / "out")]) == 0
+  k1 = json.loads((tmp_path / "out" / "results.json").read_text())["learning"]["comparisons"][0]
+  assert k1["n_warm_starts"] == 1 and k1["t_interval"]["em"] is None
+  assert set(k1["verdict"].values()) == {mod.NO_VERDICT}
+
+
 def test_verdicts_read_the_interval():
   mod = _collect()
   assert mod.verdict([-0.2, -0.01]) == "costs EM here"

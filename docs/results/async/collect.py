@@ -111,6 +111,10 @@ def mechanisms(rl: list[dict]) -> dict[str, float]:
   return out
 
 
+NO_VERDICT = ("no verdict: one warm-start gives no t-interval over warm-starts, and the verdict "
+              "reads the wider of the two (the bootstrap alone leaves out warm-start variance)")
+
+
 def verdict(interval: list[float]) -> str:
   """The reading of a paired interval (k minus k = 0) on "k costs EM"."""
   lo, hi = interval
@@ -183,7 +187,8 @@ def collect(runs: str, out_dir: str) -> dict:
     if both and cols:
       pr = first.paired({s: rows[k][s] for s in both}, rows[0], cols, f"async/k{k}")
       entry.update(pr)
-      entry["verdict"] = {key: verdict(pr["verdict_interval"][key]) for _, key in first.HOPS}
+      entry["verdict"] = {key: verdict(pr["verdict_interval"][key]) if pr["t_interval"][key]
+                          else NO_VERDICT for _, key in first.HOPS}
       if len(both) < len(SEEDS):
         entry["interim"] = True
     comparisons.append(entry)
