@@ -312,6 +312,12 @@ def compile_all(programs: Sequence[RunProgram], *, threads: int = 0,
   return time.perf_counter() - t0
 
 
+def stage_shares(by_stage: dict[str, float]) -> dict[str, float]:
+  """Each stage's fraction of :func:`compile_all`'s ``by_stage`` seconds (they sum to 1)."""
+  total = sum(by_stage.values()) or 1.0
+  return {k: v / total for k, v in by_stage.items()}
+
+
 compile_seconds = update_lib.compile_seconds   # (for callers that time the warm-up's compiles)
 
 
@@ -425,8 +431,7 @@ def _compile_logged(programs: Sequence[RunProgram], engines: Sequence[Any],
   finally:
     for engine in engines:
       engine.release()
-  total = sum(stages.values()) or 1.0
-  shares = ", ".join(f"{k} {v / total:.0%}" for k, v in stages.items())
+  shares = ", ".join(f"{k} {v:.0%}" for k, v in stage_shares(stages).items())
   log(f"warm-up: compiled {len(programs)} programs in {secs:.1f} s ({shares} of the "
       f"lowering and compile seconds)")
   return secs
@@ -445,8 +450,7 @@ def warm_up(t, start: int, demos, log: Callable[[str], None]) -> dict[str, float
   stages: dict[str, float] = {}
   secs = _compile_logged(plan_run(t, start, demos),
                          [t.engine.engine, t.evaluator.engine().engine], log, stages)
-  total = sum(stages.values()) or 1.0
-  out = {f"time/warmup_compile_s/{k}": secs * v / total for k, v in stages.items()}
+  out = {f"time/warmup_compile_s/{k}": secs * v for k, v in stage_shares(stages).items()}
   rows = max(t.pool.num_candidates * int(t.cfg.data.group_size),
              int(t.cfg.train.eval_batch_size) or int(t.cfg.train.eval_questions))
   secs += _warm_up_gathers(rows, t.settings.seq_len, log)

@@ -111,8 +111,7 @@ def mechanisms(rl: list[dict]) -> dict[str, float]:
   return out
 
 
-NO_VERDICT = ("no verdict: one warm-start gives no t-interval over warm-starts, and the verdict "
-              "reads the wider of the two (the bootstrap alone leaves out warm-start variance)")
+NO_VERDICT = engaged.NO_VERDICT      # n = 1: no t-interval, so no "wider of the two"
 
 
 def verdict(interval: list[float]) -> str:

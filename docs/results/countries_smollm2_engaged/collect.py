@@ -533,6 +533,10 @@ def verdict(d: float, interval: list[float], effect: float | None, sign: int = 1
   return "cannot tell at this power"
 
 
+NO_VERDICT = ("no verdict: one warm-start gives no t-interval over warm-starts, and the verdict "
+              "reads the wider of the two (the bootstrap alone leaves out warm-start variance)")
+
+
 def _iv(x: list[float] | None) -> str:
   return f"[{x[0]:+.3f}, {x[1]:+.3f}]" if x else "(none: n = 1)"
 
@@ -576,8 +580,7 @@ def comparison_block(c: dict, finals: dict[str, dict[int, dict[str, dict]]],
             f"warm-start, n = {pr['n_warm_starts']}: {pr[key]:+.3f}; {level} bootstrap "
             f"{_iv(boot)}, t over warm-starts {_iv(t_iv)}; " + (
                 f"the wider {_iv(iv)} -> {verdict(pr[key], iv, effect, c['sign'])}" if t_iv
-                else "no verdict: one warm-start gives no t-interval, and the protocol reads "
-                     "the wider of the two (the bootstrap alone leaves out warm-start variance)"))
+                else NO_VERDICT))
     out["verdict"][key] = (f"({interim}) " if interim else "") + text
   return out
 
