@@ -16,7 +16,7 @@ run's ``metrics.jsonl`` it prints side by side, with the ratio after / before:
   time, warm-up and evaluations included; ``rl_phase_with_warmup_s``: the RL phase with the
   whole warm-up added (it also compiles the SFT and evaluation programs, so this overstates
   what the RL phase owes it: the conservative figure); ``rl_phase_with_rl_warmup_s``: the RL
-  phase with the warm-up's share that its programs took (``time/warmup_compile_s/<stage>``
+  phase with the warm-up's share that its programs took (``time/warmup_compile_<stage>_s``
   without ``sft`` and ``eval``: the before run compiled those outside its RL phase too);
 * the held-out EM at the end.
 
@@ -78,7 +78,7 @@ def figures(workdir: str, wall: float) -> dict:
       # the RL phase owes the warm-up less its SFT and evaluation programs' shares (a run
       # logged before the shares existed owes all of it)
       "rl_phase_with_rl_warmup_s": rl_phase + warmup - sum(
-          first.get(f"time/warmup_compile_s/{s}", 0.0) for s in ("sft", "eval")),
+          first.get(f"time/warmup_compile_{s}_s", 0.0) for s in ("sft", "eval")),
   }
 
 

@@ -440,7 +440,7 @@ def _compile_logged(programs: Sequence[RunProgram], engines: Sequence[Any],
 def warm_up(t, start: int, demos, log: Callable[[str], None]) -> dict[str, float]:
   """Lists and compiles the run's programs (:func:`plan_run`, :func:`compile_all`); returns
   ``{"time/warmup_compile_s": seconds}`` for the launch's first metrics line (the count is
-  logged), and ``time/warmup_compile_s/<stage>``: each stage's share of those wall seconds
+  logged), and ``time/warmup_compile_<stage>_s``: each stage's share of those wall seconds
   (its programs' lowering and compile seconds over all programs', so the stages sum to the
   programs' part of the wall; ``sft`` is the part an RL phase does not need).
   ``train.warmup=False``: nothing (programs then compile when first met)."""
@@ -450,7 +450,7 @@ def warm_up(t, start: int, demos, log: Callable[[str], None]) -> dict[str, float
   stages: dict[str, float] = {}
   secs = _compile_logged(plan_run(t, start, demos),
                          [t.engine.engine, t.evaluator.engine().engine], log, stages)
-  out = {f"time/warmup_compile_s/{k}": secs * v for k, v in stage_shares(stages).items()}
+  out = {f"time/warmup_compile_{k}_s": secs * v for k, v in stage_shares(stages).items()}
   rows = max(t.pool.num_candidates * int(t.cfg.data.group_size),
              int(t.cfg.train.eval_batch_size) or int(t.cfg.train.eval_questions))
   secs += _warm_up_gathers(rows, t.settings.seq_len, log)
