@@ -344,10 +344,10 @@ def pack_width(cfg: ml_collections.ConfigDict, seq_len: int) -> int:
   """The update's packing (:func:`gigrl.update.step.rl_update`'s ``pack``): the widest packed
   row (:func:`gigrl.update.step.packed_width_cap` of ``train.pack_max_width`` and the rollout's
   ``seq_len``) when ``train.pack_update_rows`` is on and the loss allows it
-  (:func:`gigrl.update.step.packing_allowed`) on one process, else 0 (no packing: processes
-  pack their own rows, so their packed widths could differ in one collective program)."""
-  if jax.process_count() > 1:
-    return 0
+  (:func:`gigrl.update.step.packing_allowed`), else 0 (no packing). On several processes each
+  packs the same global rows (the update's batch is the same on every process,
+  :func:`put_global_rows`; :func:`gigrl.update.batch.pack_rows` is deterministic), so all
+  choose the same W' and run one collective program (``tests/test_multihost.py``)."""
   lora_dropout = float(cfg.model.lora.dropout) if int(cfg.model.lora.rank) else 0.0
   if not (bool(cfg.train.pack_update_rows) and bool(cfg.train.trim_update_padding)
           and update_lib.packing_allowed(cfg.loss.loss_agg_mode, lora_dropout)):
