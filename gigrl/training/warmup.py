@@ -262,8 +262,8 @@ def compile_all(programs: Sequence[RunProgram], *, threads: int = 0,
   """Compiles every program before step 1; returns the wall seconds it took.
 
   Each is traced and lowered in this thread, then compiled on a pool of ``threads`` threads
-  (0: one per core, at most 4), so XLA compiles one program while Python lowers the next; the
-  bar reads ``compiling k/N`` with the program just compiled. ``by_stage``, when given, gets
+  (0: one per core, at most 4; one on the CPU backend), so XLA compiles one program while
+  Python lowers the next; the bar reads ``compiling k/N`` with the program just compiled. ``by_stage``, when given, gets
   each stage's seconds added: its programs' lowering plus compile seconds, each program's
   timed in its own thread (with several threads they overlap, so the stages sum to more
   than the wall; their shares say where the warm-up goes).
@@ -272,7 +272,12 @@ def compile_all(programs: Sequence[RunProgram], *, threads: int = 0,
     Whatever a program's lowering or compile raises (the label is added to the message).
   """
   t0 = time.perf_counter()
-  threads = threads or max(1, min(4, os.cpu_count() or 1))
+  # One compile thread on CPU: XLA:CPU's compile already uses every core (the smoke warm-up, 36
+  # programs on 2 cores: 27.1 s with 2 threads, 27.2-30.3 s with 1), and with two a worker
+  # aborted natively in CI while serializing one executable for the persistent cache as the
+  # other compiled (2026-11-29, test_warmup).
+  if not threads:
+    threads = 1 if jax.default_backend() == "cpu" else max(1, min(4, os.cpu_count() or 1))
   bar = tqdm(total=len(programs), desc="compiling", unit="program", dynamic_ncols=True,
              file=sys.stderr, disable=not show,
              bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed} {postfix}")
