@@ -197,7 +197,6 @@ def test_two_processes_match_one(tmp_path, variant):
         assert r["time/rollout_compile_s"] == 0 and r["time/update_compile_s"] == 0, r["step"]
     # every step advantage of this tiny run is 0 (no reward, constant penalties), so the anchor
     # ids are compared through gigpo/anchor_group_frac (step groups per valid step)
-    rl = [r for r in ref if r["phase"] == "rl"]
     assert rl and all(0 < r["gigpo/anchor_group_frac"] < 1 for r in rl), rl
   else:
     # SIGTERM to process 1 only, after step 3: both checkpoint step 3 (the agreement) and exit 0.

@@ -296,6 +296,30 @@ def test_compile_seconds_are_the_calling_threads():
   assert progress.compile_seconds() == mine
 
 
+def test_cpu_warm_up_compiles_on_one_thread(monkeypatch):
+  """On the CPU backend ``compile_all`` compiles on one thread (two aborted natively in CI while
+  one serialized an executable for the persistent cache as the other compiled); an explicit
+  ``threads`` still wins. Try it: drop the CPU case, and the pool gets a thread per core."""
+  import concurrent.futures  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from gigrl.training import warmup  # pylint: disable=import-outside-toplevel
+  pools = []
+  real = concurrent.futures.ThreadPoolExecutor
+
+  def recording(n, *args, **kwargs):
+    pools.append(n)
+    return real(n, *args, **kwargs)
+
+  monkeypatch.setattr(concurrent.futures, "ThreadPoolExecutor", recording)
+  monkeypatch.setattr(os, "cpu_count", lambda: 8)
+  fn = jax.jit(lambda x: x * 5.0 - 2.0)
+  progs = [warmup.RunProgram("other", f"p{i}", lambda i=i: fn.lower(np.arange(3.0 + i)))
+           for i in range(2)]
+  warmup.compile_all(progs, show=False)
+  warmup.compile_all(progs, threads=3, show=False)
+  assert jax.default_backend() == "cpu" and pools == [1, 3]
+
+
 def test_packed_updates_are_planned_and_compile_before_step_1(tmp_path):
   """``train.pack_update_rows`` without micro-batches (one ``rl_step`` unpacked): the packed
   update of every W' under ``train.pack_max_width`` is listed and compiled in the warm-up, and

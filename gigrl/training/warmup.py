@@ -263,10 +263,10 @@ def compile_all(programs: Sequence[RunProgram], *, threads: int = 0,
 
   Each is traced and lowered in this thread, then compiled on a pool of ``threads`` threads
   (0: one per core, at most 4; one on the CPU backend), so XLA compiles one program while
-  Python lowers the next; the bar reads ``compiling k/N`` with the program just compiled. ``by_stage``, when given, gets
-  each stage's seconds added: its programs' lowering plus compile seconds, each program's
-  timed in its own thread (with several threads they overlap, so the stages sum to more
-  than the wall; their shares say where the warm-up goes).
+  Python lowers the next; the bar reads ``compiling k/N`` with the program just compiled.
+  ``by_stage``, when given, gets each stage's seconds added: its programs' lowering plus
+  compile seconds, each program's timed in its own thread (with several threads they overlap,
+  so the stages sum to more than the wall; their shares say where the warm-up goes).
 
   Raises:
     Whatever a program's lowering or compile raises (the label is added to the message).
