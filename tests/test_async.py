@@ -423,13 +423,18 @@ def test_a_killed_process_loses_nothing(tmp_path, killed, processes, samplers):
   rerunning them all finishes every step once, and the queries the pool consumed are exactly
   those the steps accepted (none trained twice, none lost in flight). The trainer processes'
   per-step agreement also covers a rollout that reached one of them and not the other; this kill
-  does not force that race."""
+  does not force that race. A lone trainer is killed only after the sampler has sent its last
+  step: with nothing left to sample, the sampler must still exit 2 (it used to exit 0)."""
   work = tmp_path / "killed"
   procs = _start_pair(work, _free_port(), processes=processes, samplers=samplers)
   trainers = procs[:max(processes, 1)]
   deadline, ckpt = time.time() + 600, work / "checkpoints" / "6"
   while not ckpt.exists() and trainers[0].poll() is None and time.time() < deadline:
     time.sleep(0.05)
+  if killed == "trainer":     # once the sampler has sent its last step, so it has nothing left
+    while ("step 9 sampled" not in _stderr(procs[-1]) and trainers[0].poll() is None
+           and time.time() < deadline):
+      time.sleep(0.02)
   victim = {"sampler": procs[-1], "trainer": trainers[0], "trainer process 1 of 2": procs[1],
             "sampler process 1 of 2": procs[-1], "sampler process 0 of 2": procs[-2]}[killed]
   others = [p for p in procs if p is not victim]

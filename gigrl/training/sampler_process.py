@@ -620,6 +620,10 @@ def serve(cfg: ml_collections.ConfigDict, workdir: str | epath.PathLike,
         th.join(None if not failed else 60)
       with contextlib.suppress(Exception):
         forward(None)
+    # Every step was sent, but a trainer process went without stopping the sampler (killed
+    # before it trained the last rollouts): the run is not finished, so not exit 0.
+    if errors:
+      raise errors[0] from None
   finally:
     for c in conns + [c for c, _ in peers]:
       c.close()
