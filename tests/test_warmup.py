@@ -35,12 +35,10 @@ def _on_duration(event, secs, **kw):
     _after[where][kw.get("fun_name", "?")] += 1
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def _run_cfg():
+  """The smoke config of the ``run`` fixture."""
   sys.path.insert(0, ROOT)
   from configs import smoke  # pylint: disable=import-outside-toplevel
-  from gigrl.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
-  from gigrl.training import warmup  # pylint: disable=import-outside-toplevel
   cfg = smoke.get_config()
   cfg.data.max_train_questions = 24
   cfg.data.prompts_per_step = 8          # 16 rows over the tests' 8 CPU devices: 8 or 16 live
@@ -60,6 +58,14 @@ def run(tmp_path_factory):
   # the off-policy correction's update programs (one more array) are warmed up too, and the
   # sampler's log-probs it reads are checked against the trainer's (#52)
   cfg.loss.off_policy_correction = "tis"
+  return cfg
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  from gigrl.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+  from gigrl.training import warmup  # pylint: disable=import-outside-toplevel
+  cfg = _run_cfg()
   workdir = str(tmp_path_factory.mktemp("warmup"))
   t = trainer_lib.Trainer(cfg, workdir)
   monitoring.register_event_duration_secs_listener(_on_duration)
@@ -126,6 +132,28 @@ def test_metrics_log_the_warm_up_and_zero_compiles(run):
   assert all(r["time/rollout_compile_s"] == 0 and r["time/update_compile_s"] == 0 for r in rl)
   ev = [r for r in rows if r["phase"] == "eval"]
   assert ev and all(r.get("eval/time/rollout_compile_s", 0) == 0 for r in ev)
+
+
+def test_warm_up_off_runs_the_same_programs(run, tmp_path):
+  """``train.warmup=False`` only defers each compile to the program's first call: the engines
+  get the same shape grid (the prompts' lengths over the RL and held-out questions), so every
+  metric of every line, the rollout's work counts included, equals the warmed-up run's.
+  Try it: leave ``set_up_engines`` to the warm-up, and ``rollout/slot_reads`` differs."""
+  import json  # pylint: disable=import-outside-toplevel
+  from gigrl.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
+  _, _, workdir = run
+  cfg = _run_cfg()
+  cfg.train.warmup = False
+  trainer_lib.Trainer(cfg, str(tmp_path)).run()
+
+  def lines(d):
+    return [{k: v for k, v in json.loads(l).items() if not k.endswith("_s")}
+            for l in open(os.path.join(d, "metrics.jsonl"))]
+
+  on, off = lines(workdir), lines(str(tmp_path))
+  assert [r["step"] for r in off] == [r["step"] for r in on]
+  for a, b in zip(on, off):
+    assert a == b, {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
 
 
 def test_the_samplers_logprobs_are_the_trainers(run):

@@ -448,10 +448,11 @@ def warm_up(t, start: int, demos, log: Callable[[str], None]) -> dict[str, float
   logged), and ``time/warmup_compile_<stage>_s``: each stage's share of those wall seconds
   (its programs' lowering and compile seconds over all programs', so the stages sum to the
   programs' part of the wall; ``sft`` is the part an RL phase does not need).
-  ``train.warmup=False``: nothing (programs then compile when first met)."""
+  ``train.warmup=False``: the engines' shape grid alone (the same programs then compile when
+  first met)."""
+  set_up_engines(t)
   if not bool(t.cfg.train.get("warmup", True)):
     return {}
-  set_up_engines(t)
   stages: dict[str, float] = {}
   secs = _compile_logged(plan_run(t, start, demos),
                          [t.engine.engine, t.evaluator.engine().engine], log, stages)
