@@ -112,7 +112,9 @@ ARGS = ["--config.train.sft_steps=3", "--config.train.num_steps=6",
         "--config.checkpoint.every_steps=2", "--config.checkpoint.keep=2",
         "--config.loss.entropy_coeff=0.01",     # the tiny model earns no reward: a gradient anyway
         # every candidate trained and consumed: the pool's consumed queries are the trained ones
-        "--config.data.pool.rule=grpo"]
+        "--config.data.pool.rule=grpo",
+        # the runs here check that no step compiles after the warm-up (off in other test runs)
+        "--config.train.warmup=true"]
 
 
 def _cmd(workdir, *extra):

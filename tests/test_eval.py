@@ -174,6 +174,8 @@ import shutil   # noqa: E402
 import subprocess  # noqa: E402
 import sys      # noqa: E402
 
+from gigrl import testing  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config.train.sft_steps=2", "--config.train.num_steps=3",
         "--config.data.max_train_questions=8", "--config.data.prompts_per_step=2",
@@ -188,10 +190,8 @@ TINY = ["--config.train.sft_steps=2", "--config.train.num_steps=3",
 def _train(workdir, *extra):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
-  proc = subprocess.run([sys.executable, "-m", "gigrl.cli.train", "--config",
-                         os.path.join(ROOT, "configs/smoke.py"), "--workdir", str(workdir),
-                         *TINY, *extra], capture_output=True, text=True, timeout=900,
-                        cwd=ROOT, env=env)
+  proc = subprocess.run(testing.train_command(workdir, *TINY, *extra), capture_output=True,
+                        text=True, timeout=900, cwd=ROOT, env=env)
   assert proc.returncode == 0, proc.stderr[-4000:]
   return proc.stderr
 

@@ -4,11 +4,11 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 from gigrl import config as config_lib
+from gigrl import testing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = ("search_r1_grpo", "gigpo_search", "stratified_grpo", "hadw", "query_recycling")
@@ -79,10 +79,8 @@ def test_recipe_values_specific_to_each_paper():
 def _train(name, arg, workdir):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
-  proc = subprocess.run(
-      [sys.executable, "-m", "gigrl.cli.train", "--config",
-       os.path.join(ROOT, "configs", f"{name}.py:{arg}"), "--workdir", str(workdir)],
-      capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+  proc = subprocess.run(testing.train_command(workdir, config=f"configs/{name}.py:{arg}"),
+                        capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
   assert proc.returncode == 0, proc.stderr[-4000:]
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]

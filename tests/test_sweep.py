@@ -80,7 +80,8 @@ def test_bad_command_line_exits_2(tmp_path, capsys):
 TINY = ["train.sft_steps=2", "train.num_steps=2", "data.max_train_questions=8",
         "data.prompts_per_step=2", "data.group_size=2", "model.preset=tiny",
         "rollout.max_new_tokens=16", "rollout.max_obs_tokens=64", "train.sft_batch_size=4",
-        "train.eval_questions=2", "checkpoint.every_steps=2", "data.pool.rule=grpo"]
+        "train.eval_questions=2", "checkpoint.every_steps=2", "data.pool.rule=grpo",
+        "train.warmup=false"]        # as gigrl.testing.TEST_DEFAULTS: tiny runs compile on demand
 
 
 @pytest.mark.slow
