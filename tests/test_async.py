@@ -113,8 +113,13 @@ ARGS = ["--config.train.sft_steps=3", "--config.train.num_steps=6",
         "--config.loss.entropy_coeff=0.01",     # the tiny model earns no reward: a gradient anyway
         # every candidate trained and consumed: the pool's consumed queries are the trained ones
         "--config.data.pool.rule=grpo",
-        # the runs here check that no step compiles after the warm-up (off in other test runs)
+        # most runs here check that no step compiles after the warm-up (off in other test
+        # runs, and in the killed ones here: NO_WARMUP)
         "--config.train.warmup=true"]
+
+
+# for the runs that count no compiles (the killed ones: each launches twice)
+NO_WARMUP = ("--config.train.warmup=false",)
 
 
 def _cmd(workdir, *extra):
@@ -217,7 +222,8 @@ def test_a_killed_async_run_trains_each_accepted_query_once(tmp_path):
   are exactly the ones its steps accepted: none trained twice (the pool would consume it once
   but count two acceptances), none lost (consumed in flight but never trained)."""
   work = tmp_path / "killed"
-  extra = ["--config.train.max_staleness=1", "--config.loss.off_policy_correction=tis"]
+  extra = ["--config.train.max_staleness=1", "--config.loss.off_policy_correction=tis",
+           *NO_WARMUP]
   proc = subprocess.Popen(_cmd(work, *extra), stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL, cwd=ROOT, env=_env())
   deadline = time.time() + 600
@@ -428,7 +434,7 @@ def test_a_killed_process_loses_nothing(tmp_path, killed, processes, samplers):
   does not force that race. A lone trainer is killed only after the sampler has sent its last
   step: with nothing left to sample, the sampler must still exit 2 (it used to exit 0)."""
   work = tmp_path / "killed"
-  procs = _start_pair(work, _free_port(), processes=processes, samplers=samplers)
+  procs = _start_pair(work, _free_port(), *NO_WARMUP, processes=processes, samplers=samplers)
   trainers = procs[:max(processes, 1)]
   deadline, ckpt = time.time() + 600, work / "checkpoints" / "6"
   while not ckpt.exists() and trainers[0].poll() is None and time.time() < deadline:
@@ -460,7 +466,7 @@ def test_a_killed_process_loses_nothing(tmp_path, killed, processes, samplers):
   trained = max(r["step"] for r in _rl(work))
   last_ckpt = max(int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit())
   assert last_ckpt == trained if "trainer" not in killed else last_ckpt <= trained
-  _finish(*_start_pair(work, _free_port(), processes=processes, samplers=samplers))
+  _finish(*_start_pair(work, _free_port(), *NO_WARMUP, processes=processes, samplers=samplers))
   rl = _rl(work)
   assert [r["step"] for r in rl] == list(range(4, 10))
   accepted = sum(int(r["pool/accepted"]) for r in rl)
