@@ -35,23 +35,6 @@ def _on_duration(event, secs, **kw):
     _after[where][kw.get("fun_name", "?")] += 1
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _no_persistent_cache():
-  """No persistent compilation cache while this module runs: its in-process runs compile for
-  real (``train.compile_cache = ""``, which cannot turn off a cache jax has already opened in
-  this worker: jax decides once per process and keeps writing after the flag is turned off, so
-  the decision is reset here; checked on jax 0.10). The last three native crashes of a test
-  worker (two aborts and a segfault in suite runs, 2026-11-29) were all in this module's
-  in-process warm-ups, in jax's cache write (``put_executable_and_time``, serializing an
-  executable)."""
-  from jax._src import compilation_cache  # pylint: disable=import-outside-toplevel
-  jax.config.update("jax_enable_compilation_cache", False)
-  compilation_cache.reset_cache()
-  yield
-  jax.config.update("jax_enable_compilation_cache", True)
-  compilation_cache.reset_cache()
-
-
 def _run_cfg():
   """The smoke config of the ``run`` fixture."""
   sys.path.insert(0, ROOT)
