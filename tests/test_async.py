@@ -301,6 +301,10 @@ def _start_pair(work, port, *extra: str, processes: int = 0, devices: int = 1,
   return procs
 
 
+# a line of jax's C++ runtime log (glog form): "E1129 19:19:25.085778   31482 file.cc:159] ..."
+RUNTIME_LOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\] ")
+
+
 def _stderr(proc) -> str:
   with open(proc.log) as f:
     return f.read()
@@ -458,8 +462,14 @@ def test_a_killed_process_loses_nothing(tmp_path, killed, processes, samplers):
       assert "coordination service" in err, err[-4000:]
       continue
     assert proc.returncode == 2, err[-4000:]
-    last = err.strip().splitlines()[-1]
-    assert last.startswith("gigrl-train: error:"), last
+    lines = err.strip().splitlines()
+    if killed == "sampler process 0 of 2":
+      # the coordination service went with process 0: jax's own threads may log its loss (a
+      # failed preemption-notice poll, "Failed to cancel preemption barrier") at any time,
+      # also after gigrl's error line and before the exit
+      lines = [line for line in lines if not RUNTIME_LOG.match(line)]
+    last = lines[-1]
+    assert last.startswith("gigrl-train: error:"), err[-4000:]
     assert "train.sampler_address" in last or "rerun every process" in last, last
     assert "Traceback" not in err, err[-4000:]
   # the steps trained before the loss are kept: the last one is checkpointed
