@@ -46,22 +46,27 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
-# The slowest test files, longest first (seconds per file under xdist on 2 cores, 2026-11-23,
-# with jax_disable_most_optimizations). `--dist loadfile --no-loadscope-reorder` (pytest.ini)
-# hands files to the workers in collection order, so starting these first lets the many short
-# files fill the end instead of one long file running alone at the tail (xdist's default order
-# is by test count, which put the 3-test test_multihost.py last).
+# The slowest test files, longest first (seconds of test time per file in a whole-suite run on 2
+# cores, 2026-11-29, d60cc0f, `--durations=0`). `--dist loadfile --no-loadscope-reorder`
+# (pytest.ini) hands files to the workers in collection order, so starting these first lets the
+# many short files fill the end instead of one long file running alone at the tail (xdist's
+# default order is by test count, which put the 3-test test_multihost.py last).
 SLOWEST_FIRST = (
-    "test_resume.py",           # 192 s: SIGKILL at random points, SIGTERM, Ctrl-C, corrupt
-    "test_multihost.py",        # 153 s: 2-process runs, SIGTERM, kill -9, resume
-    "test_notebooks.py",        # 120 s: three notebooks through a kernel
-    "test_sign_check.py",       # 90 s
-    "test_recipes.py",          # 66 s
-    "test_sweep.py",            # 62 s
-    "test_ppo_minibatch.py",    # 56 s
-    "test_hf_e2e.py",           # 44 s
-    "test_eval.py",             # 44 s
-    "test_train_e2e.py",        # 39 s
+    "test_async.py",            # 602 s: sampler processes, killed processes, pinned k = 0
+    "test_rollout_compute.py",  # 428 s: SmolLM2 greedy on = off, its SFT fixture
+    "test_multihost.py",        # 289 s: 2-process runs, SIGTERM, kill -9, resume
+    "test_resume.py",           # 286 s: SIGKILL at random points, SIGTERM, Ctrl-C, corrupt
+    "test_lora.py",             # 268 s
+    "test_sign_check.py",       # 196 s
+    "test_warmup.py",           # 143 s
+    "test_notebooks.py",        # 124 s: three notebooks through a kernel
+    "test_recipes.py",          # 120 s
+    "test_sweep.py",            # 113 s
+    "test_tpu_aot.py",          # 109 s
+    "test_smollm2_recipe.py",   # 102 s
+    "test_eval.py",             # 97 s
+    "test_ppo_minibatch.py",    # 83 s
+    "test_update_widths.py",    # 80 s
 )
 
 

@@ -118,7 +118,9 @@ ARGS = ["--config.train.sft_steps=3", "--config.train.num_steps=6",
         "--config.train.warmup=true"]
 
 
-# for the runs that count no compiles (the killed ones: each launches twice)
+# for the runs that count no compiles: the killed ones (each launches twice) and the references
+# a run is compared with (every metric but the timings is the same without the warm-up:
+# tests/test_warmup.py::test_warm_up_off_runs_the_same_programs)
 NO_WARMUP = ("--config.train.warmup=false",)
 
 
@@ -146,7 +148,7 @@ def _async(k):
 def k0_run(tmp_path_factory):
   """A k = 0 run (the default)."""
   work = tmp_path_factory.mktemp("k0") / "run"
-  _run(work)
+  _run(work, *NO_WARMUP)
   return work
 
 
@@ -196,7 +198,7 @@ def test_k0_is_the_loop_before_async(k0_run):
 def k1_run(tmp_path_factory):
   """A one-process k = 1 run (the sampler a thread)."""
   work = tmp_path_factory.mktemp("k1") / "run"
-  _run(work, *_async(1))
+  _run(work, *_async(1), *NO_WARMUP)
   return work
 
 
@@ -205,7 +207,7 @@ def test_tiny_runs_hold_the_staleness_bound(tmp_path, k0_run, k1_run):
   """k = 0 logs no asynchronous metrics; k = 1 and 2 log every row exactly min(k, updates so
   far) versions stale, with the correction's ratio near 1 (the tiny updates move little)."""
   assert not any(k.startswith("async/") for r in _rl(k0_run) for k in r)
-  _run(tmp_path / "k2", *_async(2))
+  _run(tmp_path / "k2", *_async(2), *NO_WARMUP)
   for k, work in ((1, k1_run), (2, tmp_path / "k2")):
     rl = _rl(work)
     assert [r["step"] for r in rl] == list(range(4, 10))
@@ -347,7 +349,7 @@ def test_a_lora_sampler_process_is_sent_the_adapters_only(tmp_path):
   metric equals the one-process k = 1 LoRA run's, and its log shows each later version carrying
   the adapter leaves only."""
   lora = ["--config.model.lora.rank=4"]
-  _run(tmp_path / "thread", *_async(1), *lora)
+  _run(tmp_path / "thread", *_async(1), *lora, *NO_WARMUP)
   *procs, sampler = _start_pair(tmp_path / "pair", _free_port(), *lora)
   _finish(*procs, sampler)
   _same_metrics(_rl(tmp_path / "thread"), _rl(tmp_path / "pair"))
@@ -364,7 +366,7 @@ def test_a_trainer_on_two_processes_with_a_sampler_process(tmp_path):
   step equals, to 1e-6, the run whose trainer is 1 process x 2 devices (the same global layout),
   with each row min(1, updates) versions stale and no compile inside a step."""
   ref, two = tmp_path / "one", tmp_path / "two"
-  _finish(*_start_pair(ref, _free_port(), devices=2))
+  _finish(*_start_pair(ref, _free_port(), *NO_WARMUP, devices=2))
   _finish(*_start_pair(two, _free_port(), processes=2))
   a, b = _rl(ref), _rl(two)
   assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(4, 10))
@@ -411,7 +413,7 @@ def test_a_sampler_on_two_processes(tmp_path):
   at step 4 (0.25 against 0.33: the trainer would group sampler process 0's rows only)."""
   gigpo = ["--config.advantage.step=gigpo", "--config.advantage.gigpo.grouping=similarity"]
   ref, two = tmp_path / "one", tmp_path / "two"
-  _finish(*_start_pair(ref, _free_port(), *gigpo, sampler_devices=2))
+  _finish(*_start_pair(ref, _free_port(), *gigpo, *NO_WARMUP, sampler_devices=2))
   procs = _start_pair(two, _free_port(), *gigpo, samplers=2)
   _finish(*procs)
   a, b = _rl(ref), _rl(two)

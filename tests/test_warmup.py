@@ -324,28 +324,40 @@ def test_compile_seconds_are_the_calling_threads():
   assert progress.compile_seconds() == mine
 
 
-def test_cpu_warm_up_compiles_on_one_thread(monkeypatch):
-  """On the CPU backend ``compile_all`` compiles on one thread (two aborted natively in CI while
-  one serialized an executable for the persistent cache as the other compiled); an explicit
-  ``threads`` still wins. Try it: drop the CPU case, and the pool gets a thread per core."""
+def test_cpu_warm_up_compiles_in_the_calling_thread(monkeypatch):
+  """On the CPU backend ``compile_all`` compiles each program in the calling thread, right after
+  its lowering, with no pool (jaxlib 0.10's XLA:CPU crashed natively four times in the tests'
+  warm-ups, in the compile thread, while the main thread lowered the next program); an
+  explicit ``threads`` still gets a pool. Try it: drop the CPU case, and the pool gets a thread
+  per core and compiles off the main thread."""
   import concurrent.futures  # pylint: disable=import-outside-toplevel
+  import threading  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from gigrl.training import warmup  # pylint: disable=import-outside-toplevel
-  pools = []
+  pools, compiled_on = [], []
   real = concurrent.futures.ThreadPoolExecutor
 
   def recording(n, *args, **kwargs):
     pools.append(n)
     return real(n, *args, **kwargs)
 
+  class Lowered:                  # records the thread that compiles it
+    def __init__(self, lowered):
+      self.lowered = lowered
+
+    def compile(self):
+      compiled_on.append(threading.current_thread() is threading.main_thread())
+      return self.lowered.compile()
+
   monkeypatch.setattr(concurrent.futures, "ThreadPoolExecutor", recording)
   monkeypatch.setattr(os, "cpu_count", lambda: 8)
   fn = jax.jit(lambda x: x * 5.0 - 2.0)
-  progs = [warmup.RunProgram("other", f"p{i}", lambda i=i: fn.lower(np.arange(3.0 + i)))
+  progs = [warmup.RunProgram("other", f"p{i}", lambda i=i: Lowered(fn.lower(np.arange(3.0 + i))))
            for i in range(2)]
   warmup.compile_all(progs, show=False)
+  assert jax.default_backend() == "cpu" and pools == [] and compiled_on == [True, True]
   warmup.compile_all(progs, threads=3, show=False)
-  assert jax.default_backend() == "cpu" and pools == [1, 3]
+  assert pools == [3] and compiled_on[2:] == [False, False]
 
 
 def test_packed_updates_are_planned_and_compile_before_step_1(tmp_path):

@@ -262,8 +262,9 @@ def compile_all(programs: Sequence[RunProgram], *, threads: int = 0,
   """Compiles every program before step 1; returns the wall seconds it took.
 
   Each is traced and lowered in this thread, then compiled on a pool of ``threads`` threads
-  (0: one per core, at most 4; one on the CPU backend), so XLA compiles one program while
-  Python lowers the next; the bar reads ``compiling k/N`` with the program just compiled.
+  (0: one per core, at most 4; on the CPU backend none: each is compiled in this thread right
+  after its lowering), so XLA compiles one program while Python lowers the next; the bar reads
+  ``compiling k/N`` with the program just compiled.
   ``by_stage``, when given, gets each stage's seconds added: its programs' lowering plus
   compile seconds, each program's timed in its own thread (with several threads they overlap,
   so the stages sum to more than the wall; their shares say where the warm-up goes).
@@ -272,12 +273,15 @@ def compile_all(programs: Sequence[RunProgram], *, threads: int = 0,
     Whatever a program's lowering or compile raises (the label is added to the message).
   """
   t0 = time.perf_counter()
-  # One compile thread on CPU: XLA:CPU's compile already uses every core (the smoke warm-up, 36
-  # programs on 2 cores: 27.1 s with 2 threads, 27.2-30.3 s with 1), and with two a worker
-  # aborted natively in CI while serializing one executable for the persistent cache as the
-  # other compiled (2026-11-29, test_warmup).
+  # No compile thread on CPU: XLA:CPU's compile already uses every core (the smoke warm-up, 36
+  # programs on 2 cores: 27.1 s with 2 threads, 27.2-30.3 s with 1), and jaxlib 0.10's XLA:CPU
+  # crashed natively in the compile thread, four times in the tests' in-process warm-ups (CI and
+  # whole-suite runs, 2026-11-28/29: aborts and segfaults in the persistent-cache write and in
+  # backend_compile_and_load) while the main thread lowered the next program. It costs the
+  # overlap: the smoke warm-up (23 programs, 2 cores, beside another job) 26.4 / 26.2 s against
+  # 24.1 / 24.2 s with the compile thread.
   if not threads:
-    threads = 1 if jax.default_backend() == "cpu" else max(1, min(4, os.cpu_count() or 1))
+    threads = 0 if jax.default_backend() == "cpu" else max(1, min(4, os.cpu_count() or 1))
   bar = tqdm(total=len(programs), desc="compiling", unit="program", dynamic_ncols=True,
              file=sys.stderr, disable=not show,
              bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed} {postfix}")
@@ -296,17 +300,28 @@ def compile_all(programs: Sequence[RunProgram], *, threads: int = 0,
       bar.set_postfix_str(f"{prog.stage}: {prog.label}", refresh=False)
       bar.update(1)
 
+  def lower(prog: RunProgram):
+    try:
+      t = time.perf_counter()
+      lowered = prog.lower()
+      add(prog.stage, time.perf_counter() - t)
+      return lowered
+    except Exception as e:       # name the program, keep the cause
+      raise RuntimeError(f"warm-up: lowering {prog.stage} {prog.label} failed: {e}") from e
+
   try:
+    if threads <= 0:        # in this thread, one program at a time
+      for prog in programs:
+        lowered = lower(prog)
+        try:
+          compile_one(prog, lowered)
+        except Exception as e:
+          raise RuntimeError(f"warm-up: compiling {prog.stage} {prog.label} failed: {e}") from e
+      return time.perf_counter() - t0
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
       futures = []
       for prog in programs:
-        try:
-          t = time.perf_counter()
-          lowered = prog.lower()
-          add(prog.stage, time.perf_counter() - t)
-        except Exception as e:       # name the program, keep the cause
-          raise RuntimeError(f"warm-up: lowering {prog.stage} {prog.label} failed: {e}") from e
-        futures.append((prog, pool.submit(compile_one, prog, lowered)))
+        futures.append((prog, pool.submit(compile_one, prog, lower(prog))))
       for prog, fut in futures:
         try:
           fut.result()
