@@ -61,6 +61,27 @@ def test_jinja_template_and_config_tokens(tok_dir, tmp_path):
   assert tok.eos_ids == [0, 2]
 
 
+def test_a_jinja_template_is_compiled_once(tok_dir, tmp_path, monkeypatch):
+  """Every prompt renders the template compiled once per process (compiling it per prompt took
+  ~3.4 ms each: 33 s of SmolLM2's 45 s start on 2 cores, which tokenized its ~4,800 prompts
+  twice; 6 s with it compiled once), and a second tokenizer of the same template reuses it."""
+  import shutil
+  import jinja2
+  d = tmp_path / "cfg"
+  shutil.copytree(tok_dir, d)
+  template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}<!-- once -->"
+  (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+  compiled = []
+  real = jinja2.Environment.from_string
+  monkeypatch.setattr(jinja2.Environment, "from_string",
+                      lambda self, *a, **k: compiled.append(1) or real(self, *a, **k))
+  first, second = HFTokenizer(str(d)), HFTokenizer(str(d))
+  assert [first.apply_chat_template(q) for q in ("A", "B")] == ["[A]<!-- once -->",
+                                                                 "[B]<!-- once -->"]
+  assert second.apply_chat_template("C") == "[C]<!-- once -->"
+  assert len(compiled) == 1
+
+
 def test_pad(tok_dir):
   tok = HFTokenizer(str(tok_dir))
   ids, lens = tok.pad([[5, 6, 7], [8]], 4)

@@ -17,6 +17,7 @@ the way Search-R1 does it (`tokenizer.apply_chat_template([{"role": "user",
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any, Sequence
@@ -51,6 +52,18 @@ def _read_json(path: str) -> dict:
     return {}
   with open(path) as f:
     return json.load(f)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(template: str):
+  """The Jinja ``chat_template``, compiled once per process: compiling it took ~3.4 ms, once per
+  prompt (SmolLM2's start tokenized its ~4,800 prompts twice: 33 s of a 45 s start on 2 cores),
+  rendering the compiled one takes ~0.1 ms."""
+  import jinja2  # pylint: disable=g-import-not-at-top  (a core dependency)
+  env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True,
+                           extensions=["jinja2.ext.loopcontrols"])
+  env.globals["raise_exception"] = _raise
+  return env.from_string(template)
 
 
 class HFTokenizer:
@@ -126,11 +139,7 @@ class HFTokenizer:
   def apply_chat_template(self, user_message: str) -> str:
     """One user message + generation prompt, as Search-R1 builds its prompts."""
     if self.chat_template:
-      import jinja2  # pylint: disable=g-import-not-at-top  (a core dependency)
-      env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True,
-                               extensions=["jinja2.ext.loopcontrols"])
-      env.globals["raise_exception"] = _raise
-      return env.from_string(self.chat_template).render(
+      return _compiled_template(self.chat_template).render(
           messages=[{"role": "user", "content": user_message}],
           add_generation_prompt=True, bos_token=self.bos_token,
           eos_token=self.tok.id_to_token(self.eos_id))
