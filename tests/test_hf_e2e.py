@@ -41,7 +41,7 @@ def test_gigrl_train_with_hf_qwen2_checkpoint_and_bpe_tokenizer(tmp_path):
   env.pop("XLA_FLAGS", None)     # one device
   proc = subprocess.run(
       [sys.executable, "-m", "gigrl.cli.train", "--config", os.path.join(ROOT, "configs/smoke.py"),
-       "--workdir", str(workdir), f"--config.model.hf_path={ckpt}",
+       "--workdir", str(workdir), *testing.TEST_DEFAULTS, f"--config.model.hf_path={ckpt}",
        f"--config.data.tokenizer={tok_dir}", "--config.train.sft_steps=1",
        "--config.train.num_steps=2", "--config.data.max_train_questions=8",
        "--config.data.prompts_per_step=2", "--config.data.group_size=2",

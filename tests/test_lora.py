@@ -14,6 +14,7 @@ from flax import nnx
 
 from gigrl.training import build
 from gigrl import config as config_lib
+from gigrl import testing
 from gigrl.update import loss as loss_lib
 from gigrl.update import step as update_lib
 from gigrl.config_utils import ConfigError
@@ -175,7 +176,7 @@ LORA = ["--config.model.lora.rank=8"]
 def _train(workdir, *extra, ok=True):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   proc = subprocess.run([sys.executable, "-m", "gigrl.cli.train", "--config",
-                         os.path.join(ROOT, "configs/smoke.py"), "--workdir", str(workdir),
+                         os.path.join(ROOT, "configs/smoke.py"), "--workdir", str(workdir), *testing.TEST_DEFAULTS,
                          *ARGS, *extra], capture_output=True, text=True, timeout=600, cwd=ROOT,
                         env=env)
   if ok:

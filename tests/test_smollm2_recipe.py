@@ -113,7 +113,7 @@ def test_recipe_end_to_end_on_a_tiny_gguf(tmp_path):
   env.pop("XLA_FLAGS", None)     # one device
   proc = subprocess.run(
       [sys.executable, "-m", "gigrl.cli.train", "--config", COUNTRIES + ":smollm2-135m-short",
-       "--workdir", str(workdir), f"--config.model.hf_path={ckpt}",
+       "--workdir", str(workdir), *testing.TEST_DEFAULTS, f"--config.model.hf_path={ckpt}",
        f"--config.data.tokenizer={ckpt}", "--config.train.sft_steps=2",
        "--config.train.sft_batch_size=2", "--config.train.num_steps=1",
        "--config.train.eval_every=1", "--config.train.eval_questions=4",

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from gigrl import testing
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED = ("step", "reward_mean", "em", "search_calls_mean", "zero_variance_frac", "loss",
             "kl", "train/tokens_per_s", "rollout/tokens_per_s", "phase")
@@ -24,7 +26,7 @@ def _train(workdir, *extra):
   env.pop("XLA_FLAGS", None)     # one device is enough here and compiles faster
   proc = subprocess.run(
       [sys.executable, "-m", "gigrl.cli.train", "--config", os.path.join(ROOT, "configs/smoke.py"),
-       "--workdir", str(workdir), *TINY, *extra],
+       "--workdir", str(workdir), *testing.TEST_DEFAULTS, *TINY, *extra],
       capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
   assert proc.returncode == 0, proc.stderr[-4000:]
   return proc
@@ -96,7 +98,7 @@ def test_nonfinite_updates_are_skipped_counted_and_stop_the_run(tmp_path):
   env.pop("XLA_FLAGS", None)
   proc = subprocess.run(
       [sys.executable, "-m", "gigrl.cli.train", "--config", os.path.join(ROOT, "configs/smoke.py"),
-       "--workdir", str(tmp_path), *TINY, "--config.train.sft_steps=6",
+       "--workdir", str(tmp_path), *testing.TEST_DEFAULTS, *TINY, "--config.train.sft_steps=6",
        "--config.train.num_steps=0", "--config.train.sft_learning_rate=1e30",
        "--config.train.max_consecutive_nonfinite=2", "--config.train.eval_questions=0"],
       capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
