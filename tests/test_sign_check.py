@@ -80,6 +80,7 @@ def _overrides(rl_steps: int) -> list[str]:
       f"train.sft_steps={SFT_STEPS}", "train.sft_batch_size=16", "train.sft_learning_rate=3e-3",
       f"train.num_steps={rl_steps}", "train.learning_rate=3e-4",
       "train.eval_questions=0", "train.sample_every=1000",
+      "train.warmup=false",      # as gigrl.testing.TEST_DEFAULTS: compiled on demand
       f"checkpoint.every_steps={SFT_STEPS}", "checkpoint.keep=5", "checkpoint.async_save=False"]
 
 
