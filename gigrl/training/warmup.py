@@ -262,9 +262,9 @@ def compile_all(programs: Sequence[RunProgram], *, threads: int = 0,
   """Compiles every program before step 1; returns the wall seconds it took.
 
   Each is traced and lowered in this thread, then compiled on a pool of ``threads`` threads
-  (0: one per core, at most 4; on the CPU backend none: each is compiled in this thread right
-  after its lowering), so XLA compiles one program while Python lowers the next; the bar reads
-  ``compiling k/N`` with the program just compiled.
+  (0: one per core, at most 4), so XLA compiles one program while Python lowers the next; on
+  the CPU backend (``threads`` 0) there is no pool: each is compiled in this thread right after
+  its lowering. The bar reads ``compiling k/N`` with the program just compiled.
   ``by_stage``, when given, gets each stage's seconds added: its programs' lowering plus
   compile seconds, each program's timed in its own thread (with several threads they overlap,
   so the stages sum to more than the wall; their shares say where the warm-up goes).
@@ -294,7 +294,10 @@ def compile_all(programs: Sequence[RunProgram], *, threads: int = 0,
 
   def compile_one(prog: RunProgram, lowered) -> None:
     t = time.perf_counter()
-    lowered.compile()
+    try:
+      lowered.compile()
+    except Exception as e:       # name the program, keep the cause
+      raise RuntimeError(f"warm-up: compiling {prog.stage} {prog.label} failed: {e}") from e
     add(prog.stage, time.perf_counter() - t)
     with lock:
       bar.set_postfix_str(f"{prog.stage}: {prog.label}", refresh=False)
@@ -312,21 +315,12 @@ def compile_all(programs: Sequence[RunProgram], *, threads: int = 0,
   try:
     if threads <= 0:        # in this thread, one program at a time
       for prog in programs:
-        lowered = lower(prog)
-        try:
-          compile_one(prog, lowered)
-        except Exception as e:
-          raise RuntimeError(f"warm-up: compiling {prog.stage} {prog.label} failed: {e}") from e
-      return time.perf_counter() - t0
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-      futures = []
-      for prog in programs:
-        futures.append((prog, pool.submit(compile_one, prog, lower(prog))))
-      for prog, fut in futures:
-        try:
-          fut.result()
-        except Exception as e:
-          raise RuntimeError(f"warm-up: compiling {prog.stage} {prog.label} failed: {e}") from e
+        compile_one(prog, lower(prog))
+    else:
+      with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        futures = [pool.submit(compile_one, prog, lower(prog)) for prog in programs]
+        for fut in futures:
+          fut.result()            # re-raises a compile's error, its program named
   finally:
     bar.close()
   return time.perf_counter() - t0
