@@ -474,3 +474,61 @@ def test_observation_cap_is_the_longest_observation_of_the_corpus(tok):
   assert traj_lib.observation_cap(tok, Corpus(texts), 1, 20) == 20          # the budget bounds it
   assert traj_lib.observation_cap(tok, Corpus(texts), 2, 1000) >= cap       # two passages: more
   assert traj_lib.observation_cap(tok, object(), 1, 1000) is None           # no corpus here
+
+
+def _cap_by_tokenising_all(tokenizer, contents, topk, max_obs_tokens):
+  """observation_cap as it was before the byte bound: every passage tokenised."""
+  from gigrl.rollout import protocol  # pylint: disable=import-outside-toplevel
+  from gigrl.rollout import trajectory as traj_lib  # pylint: disable=import-outside-toplevel
+  bodies = sorted((len(tokenizer.encode(protocol.format_passages([c]).strip()))
+                   for c in contents), reverse=True)[:max(1, topk)]
+  longest = (len(tokenizer.encode("\n\n<information>")) + len(tokenizer.encode(
+      "</information>\n\n")) + sum(bodies) + (0 if len(bodies) == 1 else 8 * len(bodies)))
+  return min(max_obs_tokens, max(longest, len(traj_lib.invalid_observation_ids(tokenizer))))
+
+
+def test_observation_cap_tokenises_few_passages_and_equals_tokenising_all():
+  """The byte bound (a token covers at least one byte) lets the cap stop at the longest passages
+  once they fill the budget, and it equals tokenising every passage: both bundled sentencepiece models and
+  SmolLM2's byte-level BPE (when fetched), on the bundled corpora and on passages of multi-byte
+  text (CJK, emoji, combining marks), for 1-3 passages and budgets that bind or not."""
+  import json  # pylint: disable=import-outside-toplevel
+  from gigrl.data import countries  # pylint: disable=import-outside-toplevel
+  from gigrl.models import fetch  # pylint: disable=import-outside-toplevel
+  from gigrl.rollout import trajectory as traj_lib  # pylint: disable=import-outside-toplevel
+
+  def corpus(path):
+    with open(path) as f:
+      return [json.loads(line)["contents"] for line in f]
+
+  class Counting:                 # a tokenizer that counts the texts it encodes
+    def __init__(self, inner):
+      self.inner, self.calls = inner, 0
+
+    def encode(self, text):
+      self.calls += 1
+      return self.inner.encode(text)
+
+  class Corpus:
+    def __init__(self, contents):
+      self._contents = contents
+
+  odd = ["東京\n日本の首都は東京です。" * 9, "Emoji\n" + "😀🎉🚀 ok " * 20, "Marks\nn\u0303a\u0301" * 30,
+         "Short\nab"]
+  corpora = {"r1searcher": corpus(os.path.join(qa.bundled_dir(), "r1searcher_retrieved",
+                                               "corpus.jsonl")),
+             "countries": corpus(os.path.join(countries.default_dir(), "corpus.jsonl")) + odd}
+  toks = {"bundled": tok_lib.load("bundled"),
+          "countries": tok_lib.load(os.path.join(countries.default_dir(), "spm_countries.model"))}
+  smollm2 = fetch.default_dir("smollm2-135m-instruct")
+  if os.path.exists(os.path.join(smollm2, "tokenizer.json")):
+    toks["smollm2"] = tok_lib.load(smollm2)
+  for tname, t in toks.items():
+    for cname, contents in corpora.items():
+      for topk in (1, 2, 3):
+        for budget in (40, 100_000):
+          counting = Counting(t)
+          got = traj_lib.observation_cap(counting, Corpus(contents), topk, budget)
+          assert got == _cap_by_tokenising_all(t, contents, topk, budget), (tname, cname, topk)
+          if budget == 40:        # a budget the longest passages fill: they alone are read
+            assert counting.calls < 10, (tname, cname, topk, counting.calls)

@@ -168,6 +168,18 @@ def observation_cap(tokenizer, retriever, topk: int, max_obs_tokens: int) -> int
   at most ``max_obs_tokens``. None when the retriever's corpus is not in this process (an HTTP
   retriever): then the budget is the bound.
 
+  Exact without tokenising the whole corpus: a token of a byte-level BPE (Qwen2, Llama 3,
+  SmolLM2) or of a sentencepiece model (a piece or a byte-fallback token) covers at least one
+  byte of its text, so a passage of ``b`` UTF-8 bytes has at most ``b + 1`` tokens (the 1: a
+  prefix marker some tokenizers add). Passages are tokenised longest in bytes first, and the
+  scan stops once no later one can enter the ``topk`` longest, or those already fill the budget.
+  The budget binds in every preset (a search's observation is cut to it), and then a few
+  passages are read: the bundled 12,569-passage corpus at ``max_obs_tokens`` 64-512 takes 0.03 s
+  instead of 0.8 s, a Wikipedia-sized one held in memory seconds instead of hours. Unbounded,
+  the scan is that of every passage (English is ~4 bytes a token). An underestimate would only
+  cost a compile: an observation longer than the grid widens it
+  (:class:`gigrl.rollout.shapes.Grid`).
+
   The retriever is looked for through wrappers that keep it as ``.inner``."""
   inner = retriever
   while getattr(inner, "_contents", None) is None and getattr(inner, "inner", None) is not None:
@@ -175,13 +187,21 @@ def observation_cap(tokenizer, retriever, topk: int, max_obs_tokens: int) -> int
   contents = getattr(inner, "_contents", None)
   if contents is None:
     return None
-  head = tokenizer.encode("\n\n<information>")
-  tail = tokenizer.encode("</information>\n\n")
-  bodies = sorted((len(tokenizer.encode(protocol.format_passages([c]).strip())) for c in contents),
-                  reverse=True)[:max(1, int(topk))]
-  extra = 0 if len(bodies) == 1 else 8 * len(bodies)
-  longest = len(head) + len(tail) + sum(bodies) + extra
-  return min(int(max_obs_tokens), max(longest, len(invalid_observation_ids(tokenizer))))
+  k, budget = max(1, int(topk)), int(max_obs_tokens)
+  tags = len(tokenizer.encode("\n\n<information>")) + len(tokenizer.encode("</information>\n\n"))
+
+  def frame(n: int) -> int:        # the tags, plus the labels of n > 1 passages
+    return tags + (0 if n == 1 else 8 * n)
+
+  bodies = [protocol.format_passages([c]).strip() for c in contents]
+  most = np.fromiter((len(b.encode("utf-8")) + 1 for b in bodies), np.int64, len(bodies))
+  longest: list[int] = []            # the k largest token counts so far, descending
+  for i in np.argsort(-most, kind="stable"):
+    if len(longest) == k and (most[i] <= longest[-1] or frame(k) + sum(longest) >= budget):
+      break                          # no later passage can change the result
+    longest = sorted(longest + [len(tokenizer.encode(bodies[i]))], reverse=True)[:k]
+  invalid = len(invalid_observation_ids(tokenizer))
+  return min(budget, max(frame(len(longest)) + sum(longest), invalid))
 
 
 def invalid_observation_ids(tokenizer) -> list[int]:
