@@ -9,6 +9,8 @@ train benchmark's dtype).
 
 * `decode_gemm_seconds(cfg, batch)`: one decode step's products, x[batch, D] times
   every layer's q/k/v/o/gate/up/down kernel and the LM head.
+* `gemm_peak_flops()`: the best f32 FLOP/s of a 2048³ product in XLA here, the peak the
+  benchmarks' MFU columns are relative to.
 * `train_gemm_seconds(cfg, tokens)`: forward + backward products of a training step
   on `tokens` rows: x @ W, dY @ W^T and X^T @ dY for every layer kernel and the head.
 """
@@ -18,6 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from _timing import timed_runs
+
+
+def gemm_peak_flops(n: int = 2048, repeats: int = 5) -> float:
+  """Best f32 FLOP/s of an n³ matrix product in XLA on this machine (all cores)."""
+  a = jnp.ones((n, n), jnp.float32)
+  f = jax.jit(lambda x: x @ x)
+  wall, _, _ = timed_runs(lambda: jax.block_until_ready(f(a)), repeats)
+  return 2 * n ** 3 / min(wall)
 
 
 def _kernel_shapes(cfg):

@@ -65,7 +65,7 @@ def figures(rows: int = 8, d_in: int = 576, d_out: int = 1536, mib: int = 256,
     (SmolLM2's decode shape: 8 rows, its MLP's up projection) in XLA and in torch (with its
     thread count), microseconds, and ``gemm_torch_1t_us`` on one torch thread;
     ``gemm_2048_torch_gflop_s``: a f32 2048^3 product's rate in torch (XLA's is
-    ``smollm2_steps.gemm_peak_flops``, which the benchmarks print beside this line);
+    ``_gemm_floor.gemm_peak_flops``, which the benchmarks print beside this line);
     with ``cores``, :func:`core_figures`' keys (~20 s); ``copy_gb_s``: GB/s of a jitted copy of ``mib`` MiB
     (read + write) in XLA; ``read_gb_s``: GB/s of a jitted sum of it (read only); ``cores``.
   """
@@ -218,5 +218,5 @@ def line(f: dict) -> str:
 
 if __name__ == "__main__":
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from smollm2_steps import gemm_peak_flops  # pylint: disable=import-outside-toplevel
+  from _gemm_floor import gemm_peak_flops  # pylint: disable=import-outside-toplevel
   print(line(figures()) + f"; f32 2048^3 GEMM in XLA {gemm_peak_flops() / 1e9:.0f} GFLOP/s")

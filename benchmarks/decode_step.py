@@ -103,7 +103,7 @@ def main() -> None:
 
 def _floors_table(a, g, st, cfg) -> None:
   import _machine  # pylint: disable=import-outside-toplevel
-  from smollm2_steps import gemm_peak_flops  # pylint: disable=import-outside-toplevel
+  from _gemm_floor import gemm_peak_flops  # pylint: disable=import-outside-toplevel
   fig, peak = _machine.figures(), gemm_peak_flops()
   print(_machine.line(fig) + f"; GEMM peak {peak / 1e9:.0f} GFLOP/s (2048^3, XLA)")
   print("rows span | step ms | call fixed ms | products XLA / torch ms | bandwidth floor ms | "

@@ -62,7 +62,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _gemm_floor import train_gemm_seconds  # noqa: E402
+from _gemm_floor import gemm_peak_flops, train_gemm_seconds  # noqa: E402
 from _timing import timed_runs  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,14 +72,6 @@ CONFIG = os.path.join(ROOT, "configs", "countries.py") + ":smollm2-135m"
 OFF = ("rollout.prefill_once_per_group=false", "rollout.shared_prefix=false",
        "rollout.compact_rows=false", "rollout.slot_bucket=0", "rollout.width_bucket=0",
        "train.trim_update_padding=false")
-
-
-def gemm_peak_flops(n: int = 2048, repeats: int = 5) -> float:
-  """Best f32 FLOP/s of an n³ matrix product in XLA on this machine (all cores)."""
-  a = jnp.ones((n, n), jnp.float32)
-  f = jax.jit(lambda x: x @ x)
-  wall, _, _ = timed_runs(lambda: jax.block_until_ready(f(a)), repeats)
-  return 2 * n ** 3 / min(wall)
 
 
 def train_run(workdir: str, overrides: list[str]) -> tuple[list[dict], float, float]:

@@ -56,7 +56,7 @@ import jax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
-from smollm2_steps import gemm_peak_flops  # noqa: E402
+from _gemm_floor import gemm_peak_flops  # noqa: E402
 
 PROMPT_TOKENS = 160     # the longest countries prompt in SmolLM2's chat template is ~155
 
