@@ -485,11 +485,12 @@ def _cap_by_tokenising_all(tokenizer, lengths, topk, max_obs_tokens):
   return min(max_obs_tokens, max(longest, len(traj_lib.invalid_observation_ids(tokenizer))))
 
 
-def test_observation_cap_tokenises_few_passages_and_equals_tokenising_all():
+def test_observation_cap_tokenises_few_passages_and_equals_tokenising_all(tmp_path):
   """The byte bound (a token covers at least one byte) lets the cap stop at the longest passages
-  once they fill the budget, and it equals tokenising every passage: both bundled sentencepiece models and
-  SmolLM2's byte-level BPE (when fetched), on the bundled corpora and on passages of multi-byte
-  text (CJK, emoji, combining marks), for 1-3 passages and budgets that bind or not."""
+  once they fill the budget, and it equals tokenising every passage: both bundled sentencepiece
+  models, a Qwen2-style byte-level BPE (``testing.write_bpe_tokenizer``) and SmolLM2's (when it is
+  in the cache), on the bundled corpora and on passages of multi-byte text (CJK, emoji, combining
+  marks), for 1-3 passages and budgets that bind or not."""
   import json  # pylint: disable=import-outside-toplevel
   from gigrl.data import countries  # pylint: disable=import-outside-toplevel
   from gigrl.models import fetch  # pylint: disable=import-outside-toplevel
@@ -518,6 +519,7 @@ def test_observation_cap_tokenises_few_passages_and_equals_tokenising_all():
              "countries": corpus(os.path.join(countries.default_dir(), "corpus.jsonl")) + odd}
   toks = {"bundled": tok_lib.load("bundled"),
           "countries": tok_lib.load(os.path.join(countries.default_dir(), "spm_countries.model"))}
+  toks["bpe"] = tok_lib.load(testing.write_bpe_tokenizer(str(tmp_path / "bpe")))
   smollm2 = fetch.default_dir("smollm2-135m-instruct")
   if os.path.exists(os.path.join(smollm2, "tokenizer.json")):
     toks["smollm2"] = tok_lib.load(smollm2)
