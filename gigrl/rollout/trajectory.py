@@ -175,7 +175,8 @@ def observation_cap(tokenizer, retriever, topk: int, max_obs_tokens: int) -> int
   scan stops once no later one can enter the ``topk`` longest, or those already fill the budget.
   The budget binds in every preset (a search's observation is cut to it), and then a few
   passages are read: the bundled 12,569-passage corpus at ``max_obs_tokens`` 64-512 takes 0.03 s
-  instead of 0.8 s, a Wikipedia-sized one held in memory seconds instead of hours. Unbounded,
+  instead of 0.8 s; a Wikipedia-sized one held in memory needs one pass over its byte lengths
+  instead of tokenising every passage. Unbounded,
   the scan is that of every passage (English is ~4 bytes a token). An underestimate would only
   cost a compile: an observation longer than the grid widens it
   (:class:`gigrl.rollout.shapes.Grid`).
@@ -193,13 +194,18 @@ def observation_cap(tokenizer, retriever, topk: int, max_obs_tokens: int) -> int
   def frame(n: int) -> int:        # the tags, plus the labels of n > 1 passages
     return tags + (0 if n == 1 else 8 * n)
 
-  bodies = [protocol.format_passages([c]).strip() for c in contents]
-  most = np.fromiter((len(b.encode("utf-8")) + 1 for b in bodies), np.int64, len(bodies))
+  # A passage's body is ``Doc 1(Title: <title>) <text>`` stripped: at most its own bytes plus the
+  # label's (14, the title's newline becoming ") "), plus 1 for a prefix marker; the bound reads
+  # the corpus once and copies none of it.
+  label = len(protocol.format_passages(["\n"]).strip().encode("utf-8"))
+  most = np.fromiter((len(c.encode("utf-8")) + label + 1 for c in contents), np.int64,
+                     len(contents))
   longest: list[int] = []            # the k largest token counts so far, descending
   for i in np.argsort(-most, kind="stable"):
     if len(longest) == k and (most[i] <= longest[-1] or frame(k) + sum(longest) >= budget):
       break                          # no later passage can change the result
-    longest = sorted(longest + [len(tokenizer.encode(bodies[i]))], reverse=True)[:k]
+    body = protocol.format_passages([contents[i]]).strip()
+    longest = sorted(longest + [len(tokenizer.encode(body))], reverse=True)[:k]
   invalid = len(invalid_observation_ids(tokenizer))
   return min(budget, max(frame(len(longest)) + sum(longest), invalid))
 
