@@ -138,7 +138,8 @@ def test_warm_up_off_runs_the_same_programs(run, tmp_path):
   """``train.warmup=False`` only defers each compile to the program's first call: the engines
   get the same shape grid (the prompts' lengths over the RL and held-out questions), so every
   metric of every line, the rollout's work counts included, equals the warmed-up run's.
-  Try it: leave ``set_up_engines`` to the warm-up, and ``rollout/slot_reads`` differs."""
+  Try it: call ``set_up_engines`` only when ``train.warmup`` is on, and ``rollout/slot_reads``
+  differs."""
   import json  # pylint: disable=import-outside-toplevel
   from gigrl.training import trainer as trainer_lib  # pylint: disable=import-outside-toplevel
   _, _, workdir = run

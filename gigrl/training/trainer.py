@@ -102,6 +102,7 @@ class Trainer:
           lambda msg: bar.set_postfix_str(msg, refresh=True)):
         demos = build.sft_demonstrations(cfg, self.data.train, self.tokenizer, self.retriever,
                                          self.settings, _log) if start < sft_steps else None
+        warmup.set_up_engines(self)    # the shape grid, which the warm-up compiles (or not)
         first = warmup.warm_up(self, start, demos, _log)   # every program, before step 1
         if (start == 0 or fresh_init) and self.evaluator.due(start):
           # the initial policy: no SFT, or train.init_from's (whose own evaluation of the same

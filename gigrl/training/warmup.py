@@ -457,9 +457,8 @@ def warm_up(t, start: int, demos, log: Callable[[str], None]) -> dict[str, float
   logged), and ``time/warmup_compile_<stage>_s``: each stage's share of those wall seconds
   (its programs' lowering and compile seconds over all programs', so the stages sum to the
   programs' part of the wall; ``sft`` is the part an RL phase does not need).
-  ``train.warmup=False``: the engines' shape grid alone (the same programs then compile when
-  first met)."""
-  set_up_engines(t)
+  ``train.warmup=False``: nothing (the same programs then compile when first met). The
+  engines' shape grid must be set first (:func:`set_up_engines`), warm-up or not."""
   if not bool(t.cfg.train.get("warmup", True)):
     return {}
   stages: dict[str, float] = {}
