@@ -110,3 +110,28 @@ def test_remat_policies_keep_gradients(setup, remat):
   g_full, _ = nnx.split(Transformer(base.replace(remat="full"), rngs=nnx.Rngs(0)))
   n_none, n_full, n_remat = len(saved(g0)), len(saved(g_full)), len(saved(g1))
   assert n_remat == n_full + {"full": 0, "dots": 6}[remat] and n_none > n_full + 6
+
+
+@pytest.mark.parametrize("remat,share", [("full", 0.3), ("dots", 0.5)])
+def test_remat_saves_memory_on_the_cpu_backend(remat, share):
+  """``model.remat`` acts on backend "cpu" too: the compiled backward's temporaries shrink
+  (8 layers, 2 rows of 256 tokens, block-causal attention: 43.4 MB without remat, 7.3 with
+  ``full``, 12.9 with ``dots``), and the gradients stay the same.
+
+  Try it: let ``Transformer.loop_layers`` ignore ``remat`` (the Python loop over layers), and
+  the temporaries stay at 41.5 MB (``full``) and 43.4 MB (``dots``): XLA:CPU schedules each
+  layer's recomputation early and keeps it."""
+  cfg = CFG.replace(num_layers=8, backend="cpu", causal_block=32)
+  toks = jax.random.randint(jax.random.key(1), (2, 257), 0, 96, dtype=jnp.int32)
+
+  def grad_fn(c):
+    g, st = nnx.split(Transformer(c, rngs=nnx.Rngs(0)))
+    f = jax.jit(jax.grad(lambda s: token_logprobs(g, s, toks[:, :-1], toks[:, 1:],
+                                                  chunk_size=64)[0].sum()))
+    return f, st
+
+  (f0, st), (f1, _) = grad_fn(cfg), grad_fn(cfg.replace(remat=remat))
+  temps = [f.lower(st).compile().memory_analysis().temp_size_in_bytes for f in (f0, f1)]
+  assert temps[1] < share * temps[0], temps
+  for a, b in zip(jax.tree.leaves(f0(st)), jax.tree.leaves(f1(st))):
+    np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
