@@ -81,7 +81,10 @@ def _engaged(cfg):
   runs out and recycled queries become most of the accepted groups late in training. The pool
   size, the step count and the validation cadence come from a pilot scored on validation only
   (the folder's README: recycled share of accepted groups 0.16, 0.36, 0.57 over RL steps 1-8,
-  9-16, 17-24 with 200 questions; validation EM 0.654, 0.757, 0.757 at steps 0, 12, 24)."""
+  9-16, 17-24 with 200 questions; validation EM 0.654, 0.757, 0.757 at steps 0, 12, 24).
+  Memory: 4 turns make rows of up to 1,008 tokens, whose update needs 14.1 GiB of temporaries on
+  the CPU backend (a ~15 GB process); ``--config.model.remat=full`` needs 1.8 GiB
+  (docs/results/update_memory/). The study runs without it, as registered."""
   cfg.rollout.max_turns = 4
   cfg.train.rl_pool_size = 200
   cfg.train.num_steps = 36
